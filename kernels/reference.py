@@ -1,0 +1,88 @@
+"""PyTorch paged attention: the reference for the Triton kernels and the engine's CPU backend.
+
+KV layout per layer: `k_cache`, `v_cache` shaped `[num_blocks, block_size, num_kv_heads, head_dim]`;
+token slot = `block_id * block_size + offset`. Written with batched tensor ops (no Python loop over
+decode sequences) because on the CPU this *is* the production path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values `[num_tokens, num_kv_heads, head_dim]` into their slots; slot -1 is skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim] view of each sequence's blocks."""
+    tables = block_tables[:, :num_blocks].long()
+    gathered = cache.index_select(0, tables.reshape(-1))
+    n, bs, h, d = tables.shape[0], cache.shape[1], cache.shape[2], cache.shape[3]
+    return gathered.view(n, num_blocks * bs, h, d)
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA). Returns `[num_seqs, num_q_heads, head_dim]`."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return q.new_empty(q.shape)
+    block_size = k_cache.shape[1]
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    k = _gather(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, kvh, L, d]
+    v = _gather(v_cache, block_tables, num_blocks).transpose(1, 2)
+    length = k.shape[2]
+    positions = torch.arange(length, device=q.device)
+    mask = positions[None, :] < context_lens.to(q.device).long()[:, None]  # [S, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=k.shape[1] != num_q_heads,
+    )
+    return out.squeeze(2).to(q.dtype)
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Chunked prefill over paged KV: sequence s's last `q_len_s` of `context_lens[s]` positions are new.
+
+    Each new token attends causally to every earlier position of its sequence (cached blocks and the
+    chunk itself), whose keys and values are already in the cache. Returns `[num_tokens, num_q_heads, head_dim]`.
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    block_size = k_cache.shape[1]
+    num_q_heads = q.shape[1]
+    for s in range(len(lens)):
+        q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (ctx + block_size - 1) // block_size
+        k = _gather(k_cache, block_tables[s:s + 1], num_blocks)[0, :ctx].transpose(0, 1)  # [kvh, ctx, d]
+        v = _gather(v_cache, block_tables[s:s + 1], num_blocks)[0, :ctx].transpose(0, 1)
+        qs = q[q_start:q_end].transpose(0, 1).to(k.dtype)  # [h, q_len, d]
+        if q_len == ctx:
+            mask = None
+            causal = True
+        else:
+            # New token i sits at position ctx - q_len + i and sees positions <= that.
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=k.shape[0] != num_q_heads)
+        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+    return out

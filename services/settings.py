@@ -1,0 +1,127 @@
+"""Command-line flags and environment variables of every pagedserve service, in one place.
+
+This table is the single source of truth: the CLI builds its argument parsers from it, the local
+cluster command (`pagedserve up`) passes flags from it, and the Helm chart's tests check that every
+flag and env var the chart sets appears here. Each option may be given as a flag or through its env
+var (flag wins); env vars are how Kubernetes Secrets reach a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str  # e.g. "--redis-url"
+    help: str
+    type: Any = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    is_switch: bool = False  # boolean flag with a --no-... twin
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "PAGEDSERVE_" + self.dest.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+HOST = Option("--host", "address to listen on", default="0.0.0.0")
+MODEL = Option("--model", "Hugging Face directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+SERVED_MODEL_NAME = Option("--served-model-name", "model id reported by /v1/models and accepted in requests")
+DTYPE = Option("--dtype", "weight and KV dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+DEVICE = Option("--device", "device the engine runs on", default="auto", choices=("auto", "cpu", "cuda"))
+BLOCK_SIZE = Option("--block-size", "tokens per KV block", type=int, default=16)
+NUM_KV_BLOCKS = Option("--num-kv-blocks", "KV blocks to allocate (overrides --kv-cache-memory)", type=int)
+KV_CACHE_MEMORY = Option("--kv-cache-memory", "bytes of memory for the KV cache (suffixes K, M, G allowed)",
+                         default="4G")
+MAX_MODEL_LEN = Option("--max-model-len", "longest prompt + output in tokens (default: model's limit)", type=int)
+MAX_NUM_SEQS = Option("--max-num-seqs", "cap on requests running in one step", type=int, default=256)
+MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "token budget of one step", type=int, default=2048)
+ENABLE_PREFIX_CACHING = Option("--enable-prefix-caching", "reuse KV blocks of shared prefixes", type=_parse_bool,
+                               default=True, is_switch=True)
+REDIS_URL = Option("--redis-url", "Redis URL for the replica registry and prefix index (redis://[:pw@]host:port/db)")
+REPLICA_ID = Option("--replica-id", "stable name of this replica in the registry (default: hostname:port)")
+ADVERTISE_URL = Option("--advertise-url", "URL routers use to reach this scheduler (default: http://<host>:<port>)")
+HEARTBEAT_INTERVAL = Option("--heartbeat-interval", "seconds between registry heartbeats", type=float, default=1.0)
+ENGINE_URL = Option("--engine", "engine step endpoint, e.g. tcp://127.0.0.1:7000", default="tcp://127.0.0.1:7000")
+POLICY = Option("--policy", "routing policy", default="prefix",
+                choices=("prefix", "least-loaded", "round-robin", "session"))
+API_KEYS_FILE = Option("--api-keys-file", "file with one accepted API key per line")
+API_KEYS = Option("--api-keys", "comma-separated accepted API keys (prefer the env var or a file)")
+DISCOVERY = Option("--discovery", "how routers find replicas", default="redis", choices=("redis", "kubernetes"))
+K8S_SERVICE = Option("--k8s-service", "headless Service of the schedulers (for --discovery kubernetes)")
+K8S_NAMESPACE = Option("--k8s-namespace", "namespace of that Service (default: the pod's own)")
+MAX_QUEUE = Option("--max-queue", "requests that may wait for a free replica before 429", type=int, default=256)
+MAX_BODY_BYTES = Option("--max-body-bytes", "largest accepted request body", type=int, default=4 * 1024 * 1024)
+REQUEST_TIMEOUT = Option("--request-timeout", "seconds before an upstream request is abandoned", type=float,
+                         default=600.0)
+LOG_LEVEL = Option("--log-level", "logging level", default="info",
+                   choices=("debug", "info", "warning", "error"))
+
+ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, LOG_LEVEL)
+_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN)
+SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
+                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, LOG_LEVEL)
+ROUTER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, BLOCK_SIZE, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS,
+                  DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, MAX_BODY_BYTES, REQUEST_TIMEOUT, LOG_LEVEL)
+SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
+                 *_SCHEDULING, API_KEYS_FILE, API_KEYS, MAX_BODY_BYTES, LOG_LEVEL)
+
+# Default ports, shared by the CLI, `pagedserve up` and the chart.
+DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}
+
+
+def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], port: int) -> None:
+    """Add `options` (and --port) to `parser`; each default comes from its env var when set."""
+    seen: set[str] = set()
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_PORT", port)),
+                        help="port to listen on (env PAGEDSERVE_PORT)")
+    for opt in options:
+        if opt.dest in seen:
+            continue
+        seen.add(opt.dest)
+        default = opt.default
+        if opt.env in os.environ:
+            default = opt.type(os.environ[opt.env]) if opt.type is not str else os.environ[opt.env]
+        help_text = f"{opt.help} (env {opt.env})"
+        if opt.is_switch:
+            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(opt.flag, dest=opt.dest, type=opt.type, default=default, choices=opt.choices,
+                                help=help_text)
+
+
+def all_env_vars() -> set[str]:
+    """Every env var any service reads (the chart's tests check against this)."""
+    names = {"PAGEDSERVE_PORT", "PAGEDSERVE_CACHE_DIR"}
+    for group in (ENGINE_OPTIONS, SCHEDULER_OPTIONS, ROUTER_OPTIONS, SERVE_OPTIONS):
+        names.update(opt.env for opt in group)
+    return names
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4G' -> 4 GiB; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in scale:
+        return int(float(s[:-1]) * scale[s[-1]])
+    return int(s)
