@@ -77,3 +77,20 @@ class ModelRunnerOutput:
     def from_wire(cls, d: dict) -> ModelRunnerOutput:
         lps = {k: [TokenLogprobs(**x) for x in v] for k, v in d.get("logprobs", {}).items()}
         return cls(step_id=d["step_id"], sampled=d["sampled"], logprobs=lps)
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """The engine's handshake: what the scheduler must know to do its bookkeeping."""
+
+    model_id: str
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
