@@ -1,0 +1,64 @@
+"""The registry and prefix index of `pagedserve serve`: the Redis layout, kept in this process's memory.
+
+It is both the sink the scheduler's publisher writes to and the index the router reads, so the one-
+process mode runs the very routing code of a cluster, without Redis.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.registry.model import BlockDelta, ReplicaState
+
+CLAIM_TTL = 10.0
+
+
+class MemoryIndex:
+    def __init__(self) -> None:
+        self._states: dict[str, tuple[ReplicaState, float]] = {}  # id -> (state, expiry)
+        self._blocks: dict[str, set[int]] = {}
+        self._pending: dict[str, dict[int, float]] = {}  # id -> hash -> expiry
+
+    # -- sink (scheduler side) ---------------------------------------------------------------------
+    async def write_state(self, state: ReplicaState, ttl: float) -> None:
+        self._states[state.info.replica_id] = (state, time.monotonic() + ttl)
+
+    async def write_blocks(self, replica_id: str, delta: BlockDelta, ttl: float) -> None:
+        blocks = self._blocks.setdefault(replica_id, set())
+        blocks |= delta.stored
+        blocks -= delta.removed
+
+    async def replace_blocks(self, replica_id: str, blocks: set[int], ttl: float) -> None:
+        self._blocks[replica_id] = set(blocks)
+        self._pending.pop(replica_id, None)
+
+    async def remove_replica(self, replica_id: str) -> None:
+        self._states.pop(replica_id, None)
+        self._blocks.pop(replica_id, None)
+        self._pending.pop(replica_id, None)
+
+    # -- index (router side) -----------------------------------------------------------------------
+    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
+        now = time.monotonic()
+        out = []
+        for rid, (state, expiry) in list(self._states.items()):
+            if expiry < now:
+                del self._states[rid]
+                continue
+            blocks = self._blocks.get(rid, set())
+            pending = self._pending.get(rid, {})
+            n = 0
+            for h in block_hashes:
+                if h not in blocks and pending.get(h, 0.0) <= now:
+                    break
+                n += 1
+            out.append(ReplicaState(state.info, state.load, n))
+        return out
+
+    async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
+        now = time.monotonic()
+        pending = self._pending.setdefault(replica_id, {})
+        for h in [h for h, exp in pending.items() if exp <= now]:
+            del pending[h]
+        for h in block_hashes:
+            pending[h] = now + CLAIM_TTL

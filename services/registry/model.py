@@ -1,0 +1,84 @@
+"""What the registry knows about a model replica, as it crosses from schedulers to routers.
+
+One record per replica holds its identity and its latest load, so a router reads both in one lookup.
+Block hashes are 64-bit unsigned ints (services.block_hash); in Redis they are decimal strings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    replica_id: str
+    url: str  # where routers send HTTP requests, e.g. http://10.0.0.7:8100
+    model: str  # served model name
+    block_size: int
+    max_model_len: int
+    capacity: int  # requests it runs at once (max_num_seqs): the scale of its load figures
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True  # False while its engine is down: routers skip it
+
+    @property
+    def requests(self) -> int:
+        return self.num_waiting + self.num_running
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """A live replica as one routing decision sees it."""
+
+    info: ReplicaInfo
+    load: ReplicaLoad
+    matched_blocks: int = 0  # leading blocks of the prompt at hand that it caches (or has claimed)
+
+    def to_json(self) -> str:
+        return json.dumps({"info": asdict(self.info), "load": asdict(self.load)}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, matched_blocks: int = 0) -> ReplicaState:
+        d = json.loads(text)
+        return cls(ReplicaInfo(**d["info"]), ReplicaLoad(**d["load"]), matched_blocks)
+
+
+@dataclass(slots=True)
+class BlockDelta:
+    """Net change to one replica's cached-block set since the last publish (disjoint sets)."""
+
+    stored: set[int] = field(default_factory=set)
+    removed: set[int] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed)
+
+
+class RegistrySink(Protocol):
+    """Where a scheduler writes (Redis, or the in-memory index of `pagedserve serve`)."""
+
+    async def write_state(self, state: ReplicaState, ttl: float) -> None: ...
+
+    async def write_blocks(self, replica_id: str, delta: BlockDelta, ttl: float) -> None: ...
+
+    async def replace_blocks(self, replica_id: str, blocks: set[int], ttl: float) -> None: ...
+
+    async def remove_replica(self, replica_id: str) -> None: ...
+
+
+class PrefixIndex(Protocol):
+    """What a router reads: every live replica with how many leading blocks of a prompt it holds."""
+
+    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]: ...
+
+    async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
+        """Mark blocks as about to be cached on a replica, so the next request with this prefix (from
+        any router) follows it before the scheduler has published them."""
+        ...

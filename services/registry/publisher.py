@@ -1,0 +1,110 @@
+"""A scheduler's registry loop: heartbeat with load, and every block it stores or evicts.
+
+It keeps a mirror of the replica's cached-block set, so an outage loses nothing: events keep being
+absorbed while the sink is unreachable, and once it answers again the whole set is rewritten in one
+transaction (Redis may have restarted empty). Load is published as soon as it changes, not only on the
+heartbeat, because routers balance on it and keep no state of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from services.registry.model import BlockDelta, RegistrySink, ReplicaInfo, ReplicaLoad, ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaSource(Protocol):
+    """What the publisher reads from the replica it speaks for."""
+
+    def load(self) -> ReplicaLoad: ...
+
+    def drain_kv_events(self) -> list:  # of objects with .kind ("stored"|"removed") and .block_hashes
+        ...
+
+
+class ReplicaPublisher:
+    def __init__(self, sink: RegistrySink, info: ReplicaInfo, source: ReplicaSource,
+                 heartbeat_interval: float = 1.0, event_interval: float = 0.02):
+        self.sink = sink
+        self.info = info
+        self.source = source
+        self.heartbeat_interval = heartbeat_interval
+        self.event_interval = event_interval
+        self.ttl = max(3 * heartbeat_interval, 1.0)
+        self._mirror: set[int] = set()
+        self._delta = BlockDelta()
+        self._resync = True  # first publish replaces whatever a previous run with this id left behind
+        self._last_load: ReplicaLoad | None = None
+        self._last_beat = 0.0
+        self._failing = False
+        self._stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                await self.tick()
+            except Exception as exc:
+                if not self._failing:
+                    log.warning("registry unreachable for replica %s (%s: %s); retrying, will resync",
+                                self.info.replica_id, type(exc).__name__, exc)
+                self._failing = True
+                self._resync = True
+            else:
+                if self._failing:
+                    log.info("registry reachable again for replica %s; block set resynced",
+                             self.info.replica_id)
+                self._failing = False
+            try:
+                await asyncio.wait_for(self._stopped.wait(), self.event_interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def tick(self) -> None:
+        self._absorb(self.source.drain_kv_events())
+        load = self.source.load()
+        now = time.monotonic()
+        if self._load_changed(load) or now - self._last_beat >= self.heartbeat_interval:
+            await self.sink.write_state(ReplicaState(self.info, load), self.ttl)
+            self._last_load, self._last_beat = load, now
+        if self._resync:
+            await self.sink.replace_blocks(self.info.replica_id, set(self._mirror), self.ttl)
+            self._resync, self._delta = False, BlockDelta()
+        elif self._delta:
+            delta, self._delta = self._delta, BlockDelta()
+            await self.sink.write_blocks(self.info.replica_id, delta, self.ttl)
+
+    def reset_blocks(self) -> None:
+        """The engine restarted with an empty KV cache: this replica caches nothing any more."""
+        self._mirror.clear()
+        self._delta = BlockDelta()
+        self._resync = True
+
+    async def close(self) -> None:
+        self._stopped.set()
+        try:
+            await self.sink.remove_replica(self.info.replica_id)
+        except Exception as exc:  # shutting down anyway; the record's TTL cleans up
+            log.warning("could not deregister replica %s: %s", self.info.replica_id, exc)
+
+    def _absorb(self, events) -> None:
+        for ev in events:
+            if ev.kind == "stored":
+                for h in ev.block_hashes:
+                    self._mirror.add(h)
+                    self._delta.stored.add(h)
+                    self._delta.removed.discard(h)
+            else:
+                for h in ev.block_hashes:
+                    self._mirror.discard(h)
+                    self._delta.removed.add(h)
+                    self._delta.stored.discard(h)
+
+    def _load_changed(self, load: ReplicaLoad) -> bool:
+        last = self._last_load
+        return (last is None or load.requests != last.requests or load.healthy != last.healthy
+                or abs(load.kv_usage - last.kv_usage) >= 0.05)

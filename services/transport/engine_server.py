@@ -1,0 +1,90 @@
+"""The engine service's network face: serves the step protocol for one model runner over ZeroMQ.
+
+A ROUTER socket answers handshake, step, reset and health, one message at a time: the engine runs one
+forward pass at a time anyway, and a single scheduler drives it. The server makes no scheduling
+decision; it decodes a `SchedulerOutput`, runs it, and encodes the `ModelRunnerOutput`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Protocol
+
+import zmq
+
+from services.scheduler.output import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.transport.wire import Reply, decode_request, encode_reply
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often the loop looks at its stop flag
+
+
+class StepRunner(Protocol):
+    """What the server needs of a model runner (services.engine.model_runner.ModelRunner fits)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def reset(self) -> None: ...
+
+
+class EngineServer:
+    def __init__(self, runner: StepRunner, bind_url: str):
+        self.runner = runner
+        self.instance = uuid.uuid4().hex  # changes on every engine start: clients detect restarts
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(bind_url)
+        self.url = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self.steps_served = 0
+
+    def serve_forever(self) -> None:
+        log.info("engine step server listening on %s (instance %s)", self.url, self.instance[:8])
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(_POLL_MS):
+                    continue
+                identity, data = self._sock.recv_multipart()[:2]
+                self._sock.send_multipart([identity, self._handle(data)])
+        finally:
+            self._sock.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _handle(self, data: bytes) -> bytes:
+        try:
+            req = decode_request(data)
+        except Exception as exc:  # a garbled frame must not take the engine down
+            log.warning("undecodable step-protocol message (%d bytes): %s", len(data), exc)
+            return encode_reply(Reply(id=-1, ok=False, instance=self.instance, error=f"bad message: {exc}"))
+        try:
+            body = self._dispatch(req.op, req.body)
+            return encode_reply(Reply(id=req.id, ok=True, instance=self.instance, body=body))
+        except Exception as exc:
+            log.exception("engine op %r (request %d) failed", req.op, req.id)
+            return encode_reply(Reply(id=req.id, ok=False, instance=self.instance,
+                                      error=f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, op: str, body):
+        if op == "step":
+            out = self.runner.execute(SchedulerOutput.from_wire(body))
+            self.steps_served += 1
+            return out.to_wire()
+        if op == "handshake":
+            return self.runner.info.to_wire()
+        if op == "health":
+            return {"healthy": True, "steps_served": self.steps_served}
+        if op == "reset":
+            self.runner.reset()
+            return None
+        raise ValueError(f"unknown op {op!r}")

@@ -1,0 +1,109 @@
+"""Shared fixtures with real parts: a real `redis-server` on a free port, and a tiny random Llama model
+that uses the real SmolLM2 tokenizer (so chat templates and detokenization are the real thing)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server child process; stop() and start() again simulate an outage on one port."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RedisServer:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis.from_url(self.url).flushall()
+
+
+@pytest.fixture(scope="session")
+def redis_session():
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_session):
+    """The session's redis-server, emptied for this test."""
+    if redis_session.proc is None or redis_session.proc.poll() is not None:
+        redis_session.start()
+    redis_session.flush()
+    return redis_session
+
+
+@pytest.fixture
+def private_redis():
+    """A redis-server of this test alone (for tests that stop it)."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama in float32 with SmolLM2's tokenizer and chat template (fast on CPU)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from services.model_source import resolve_model
+
+    src = resolve_model(None)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

@@ -1,0 +1,135 @@
+"""Registry + prefix index against a real redis-server, and the in-memory twin used by `serve`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from services.block_hash import hash_blocks, model_hash_seed
+from services.registry.memory_index import MemoryIndex
+from services.registry.model import ReplicaInfo, ReplicaLoad
+from services.registry.publisher import ReplicaPublisher
+from services.registry.redis_sink import RedisSink, connect
+from services.router.redis_index import RedisIndex
+
+SEED = model_hash_seed("m", 4)
+
+
+@dataclass
+class KVEvent:
+    kind: str
+    block_hashes: list[int]
+
+
+@dataclass
+class FakeReplica:
+    """The publisher's view of a scheduler: load figures and a queue of KV events."""
+
+    load_now: ReplicaLoad = field(default_factory=ReplicaLoad)
+    events: list = field(default_factory=list)
+
+    def load(self) -> ReplicaLoad:
+        return self.load_now
+
+    def drain_kv_events(self) -> list:
+        out, self.events = self.events, []
+        return out
+
+
+def _info(rid: str) -> ReplicaInfo:
+    return ReplicaInfo(replica_id=rid, url=f"http://{rid}", model="m", block_size=4, max_model_len=128,
+                       capacity=8)
+
+
+def _backends(redis_url: str | None):
+    if redis_url is None:
+        index = MemoryIndex()
+        return index, index
+    client = connect(redis_url)
+    return RedisSink(client), RedisIndex(client)
+
+
+@pytest.fixture(params=["redis", "memory"])
+def backend(request):
+    if request.param == "memory":
+        return _backends(None)
+    return _backends(request.getfixturevalue("redis_server").url)
+
+
+def test_snapshot_counts_leading_cached_blocks_per_replica(backend):
+    sink, index = backend
+    prompt = list(range(40))  # 10 blocks of 4
+    hashes = hash_blocks(prompt, 4, SEED)
+
+    async def scenario():
+        a, b = FakeReplica(), FakeReplica(ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5))
+        pub_a, pub_b = ReplicaPublisher(sink, _info("a"), a), ReplicaPublisher(sink, _info("b"), b)
+        a.events.append(KVEvent("stored", hashes[:6]))
+        b.events.append(KVEvent("stored", hashes[:2] + hashes[3:8]))  # hole at block 2: only 2 lead
+        await pub_a.tick()
+        await pub_b.tick()
+        states = {s.info.replica_id: s for s in await index.snapshot(hashes)}
+        assert states["a"].matched_blocks == 6 and states["b"].matched_blocks == 2
+        assert states["b"].load.requests == 5 and states["b"].info.url == "http://b"
+
+        a.events.append(KVEvent("removed", [hashes[4]]))
+        await pub_a.tick()
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)}["a"] == 4
+
+        await index.claim("b", hashes[:9])  # a router just sent this prompt to b
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)}["b"] == 9
+        assert {s.matched_blocks for s in await index.snapshot([])} == {0}
+
+        pub_b.reset_blocks()  # b's engine restarted: its cache and the claims on it are gone
+        await pub_b.tick()
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)}["b"] == 0
+
+        await pub_a.close()
+        assert [s.info.replica_id for s in await index.snapshot(hashes)] == ["b"]
+
+    asyncio.run(scenario())
+
+
+def test_records_expire_without_heartbeat(backend):
+    sink, index = backend
+
+    async def scenario():
+        pub = ReplicaPublisher(sink, _info("a"), FakeReplica(), heartbeat_interval=0.1)
+        pub.ttl = 0.3
+        await pub.tick()
+        assert len(await index.snapshot([])) == 1
+        await asyncio.sleep(0.5)
+        assert await index.snapshot([]) == []
+
+    asyncio.run(scenario())
+
+
+def test_publisher_survives_redis_outage_and_resyncs_blocks(private_redis):
+    sink, index = _backends(private_redis.url)
+    hashes = hash_blocks(list(range(32)), 4, SEED)
+    replica = FakeReplica()
+
+    async def scenario():
+        pub = ReplicaPublisher(sink, _info("a"), replica, heartbeat_interval=0.1, event_interval=0.02)
+        task = asyncio.create_task(pub.run())
+        replica.events.append(KVEvent("stored", hashes[:3]))
+        await asyncio.sleep(0.2)
+        private_redis.stop()  # Redis dies, and comes back empty
+        replica.events.append(KVEvent("stored", hashes[3:6]))
+        await asyncio.sleep(0.3)
+        private_redis.start()
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            try:
+                states = await index.snapshot(hashes)
+            except Exception:
+                continue
+            if states and states[0].matched_blocks == 6:
+                break
+        assert [s.matched_blocks for s in states] == [6]
+        await pub.close()
+        task.cancel()
+
+    asyncio.run(scenario())
