@@ -1,0 +1,17 @@
+"""pagedserve: continuous batching over a paged KV cache, served as router, scheduler and engine.
+
+`from services import LLM, SamplingParams` is the offline API; it loads torch only when used.
+"""
+
+from services.sampling_params import InvalidRequestError, SamplingParams
+
+__all__ = ["LLM", "InvalidRequestError", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `import services` (routers, the CLI) does not pay for torch.
+    if name == "LLM":
+        from services.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,102 @@
+"""Token sampling for a batch of rows, each with its own parameters.
+
+Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw with the
+exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed
+draws its noise from a generator seeded by (seed, sample index, output index), so a seeded request
+gives the same tokens whatever else is in the batch and even after preemption and recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from services.scheduler.output import SamplingSpec, TokenLogprobs
+
+
+@dataclass
+class SampleRow:
+    spec: SamplingSpec
+    sample_index: int
+    output_index: int
+
+
+def _row_seed(seed: int, sample_index: int, output_index: int) -> int:
+    digest = xxhash.xxh3_64_intdigest(f"{seed}:{sample_index}:{output_index}".encode())
+    return digest & ((1 << 63) - 1)
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: float32 [len(rows), vocab]. Returns token ids and, where asked, log-probabilities."""
+        n = len(rows)
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0.0]
+        rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0.0]
+        if len(greedy) == n:
+            tokens = logits.argmax(dim=-1)
+        else:
+            if greedy:
+                gi = torch.tensor(greedy, device=logits.device)
+                tokens[gi] = logits.index_select(0, gi).argmax(dim=-1)
+            ri = torch.tensor(rand, device=logits.device)
+            tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
+        if want:
+            wi = torch.tensor(want, device=logits.device)
+            lp = torch.log_softmax(logits.index_select(0, wi), dim=-1)
+            k = max(rows[i].spec.logprobs for i in want)
+            top_v, top_i = lp.topk(max(k, 1), dim=-1) if k else (None, None)
+            chosen = lp.gather(1, tokens.index_select(0, wi).unsqueeze(1)).squeeze(1).tolist()
+            for j, i in enumerate(want):
+                kk = rows[i].spec.logprobs
+                logprobs[i] = TokenLogprobs(
+                    chosen[j],
+                    top_i[j, :kk].tolist() if kk else [],
+                    top_v[j, :kk].tolist() if kk else [],
+                )
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([r.spec.temperature for r in rows], device=dev, dtype=torch.float32)
+        logits = logits / temps.unsqueeze(1)
+        top_ks = [r.spec.top_k for r in rows]
+        top_ps = [r.spec.top_p for r in rows]
+        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = self._filter(logits, top_ks, top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.spec.seed is None]
+        if unseeded:
+            noise.exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.spec.seed is not None:
+                g = torch.Generator(device=dev)
+                g.manual_seed(_row_seed(r.spec.seed, r.sample_index, r.output_index))
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).unsqueeze(1)
+        drop = ranks >= k
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
+        before = probs.cumsum(dim=-1) - probs
+        p = torch.tensor(top_ps, device=logits.device, dtype=torch.float32).unsqueeze(1)
+        drop |= before >= p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

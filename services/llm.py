@@ -1,0 +1,95 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, params)` and `.chat(...)`.
+
+Runs the engine core and a model runner in this process; every prompt is validated before any is
+queued, so one bad prompt fails the call without leaving half a batch behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from services.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import InProcessExecutor
+from services.scheduler.request_output import RequestOutput
+from services.settings import parse_bytes
+from services.tokenizer import ModelTokenizer
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
+                 max_model_len: int | None = None):
+        from services.engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(model, dtype=dtype, device=device, block_size=block_size,
+                                  num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
+                                  max_model_len=max_model_len)
+        self.tokenizer = ModelTokenizer(self.runner.model_dir)
+        self.engine = EngineCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+        self._ids = itertools.count()
+        self.step_hook = None  # called after every step (benchmarks read KV efficiency through it)
+
+    def _to_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def generate(self, prompts: str | Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        token_lists = [self._to_token_ids(p) for p in prompts]
+        for ids, p in zip(token_lists, plist, strict=True):
+            self.engine.validate(ids, p)
+        rids = []
+        for ids, p in zip(token_lists, plist, strict=True):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            rids.append(rid)
+        return self._run(rids, use_tqdm)
+
+    def chat(self, conversations: list[list[dict]] | list[dict],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(msgs) for msgs in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(rids)
+        bar = tqdm(total=len(rids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(done) < len(rids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+                if self.step_hook is not None:
+                    self.step_hook(self.engine)
+        except BaseException:
+            for rid in rids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in rids]

@@ -1,0 +1,1 @@
+"""The scheduler: request queues, KV block bookkeeping and the continuous-batching loop (no torch)."""

@@ -1,0 +1,229 @@
+"""The continuous-batching loop of one replica: validate, schedule, execute, apply results, report.
+
+Owns the scheduler, the KV bookkeeping and per-request output state; reaches the engine only through
+an Executor and the typed SchedulerOutput/ModelRunnerOutput. No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from services.block_hash import model_hash_seed
+from services.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduler.block_pool import BlockPool, KVEvent
+from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.executor import Executor
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request_output import CompletionOutput, RequestOutput, SchedulerStats
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """The n samples of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request | None]
+    stream: bool
+
+    @property
+    def finished(self) -> bool:
+        return all(s is not None and s.is_finished for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(self, executor: Executor, tokenizer, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None, collect_kv_events: bool = False):
+        self.executor = executor
+        self.info = executor.handshake()
+        self.tokenizer = tokenizer
+        self.max_model_len = min(max_model_len or self.info.max_model_len, self.info.max_model_len)
+        self.hash_seed = model_hash_seed(self.info.model_id, self.info.block_size)
+        self._events: list[KVEvent] | None = [] if collect_kv_events else None
+        self.pool = BlockPool(self.info.num_kv_blocks, enable_prefix_caching,
+                              on_event=self._events.append if self._events is not None else None)
+        watermark = max(1, self.info.num_kv_blocks // 100)
+        self.kv = KVCacheManager(self.pool, self.info.block_size, self.hash_seed, watermark_blocks=watermark)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
+                                   self.kv)
+        self.eos_ids = frozenset(self.info.eos_token_ids)
+        self.groups: dict[str, _Group] = {}
+        self._arrival = itertools.count()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_output: SchedulerOutput | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.info.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{n} tokens leave no room to generate within the context length {self.max_model_len}")
+        usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
+        if n + 1 > usable:
+            raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
+        params.validate()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    stream: bool = False) -> None:
+        if request_id in self.groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params, next(self._arrival))
+        group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
+        if stream or params.stop_strings:
+            self._attach_detokenizer(req)
+        self.groups[request_id] = group
+        self.prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add(req)
+
+    def _attach_detokenizer(self, req: Request, replay: bool = True) -> None:
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer.fast, req.token_ids[:req.num_prompt_tokens], req.params.stop_strings,
+            req.params.include_stop_str_in_output, req.params.skip_special_tokens)
+        if replay:
+            for t in req.output_token_ids:
+                req.detokenizer.add(t)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.seqs:
+            if seq is not None:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return self._make_output(group)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """The engine broke: end every request with an error and return all blocks to the pool."""
+        outs = []
+        for group in list(self.groups.values()):
+            for seq in group.seqs:
+                if seq is not None:
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+            out = self._make_output(group)
+            out.error = message
+            outs.append(out)
+        self.groups.clear()
+        self.pool.reset_cache()  # the engine's KV tensors may be gone with it
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler
+        out = sched.schedule()
+        self.last_output = out
+        changed: dict[str, _Group] = {}
+        for req in sched.rejected:
+            changed[req.request_id] = self.groups[req.request_id]
+        sched.rejected.clear()
+        if out.sequences:
+            result = self.executor.execute(out)
+            self._apply(result, changed)
+        outputs = []
+        for rid, group in changed.items():
+            if group.finished:
+                del self.groups[rid]
+                outputs.append(self._make_output(group))
+            elif group.stream:
+                outputs.append(self._make_output(group))
+        return outputs
+
+    def _apply(self, result: ModelRunnerOutput, changed: dict[str, _Group]) -> None:
+        sched = self.scheduler
+        sampled = result.sampled
+        logprobs = result.logprobs
+        for req, n in sched.last_scheduled:
+            req.num_computed_tokens += n
+            self.kv.commit(req)
+            tokens = sampled.get(req.seq_id)
+            if tokens is None:
+                continue
+            group = self.groups[req.request_id]
+            lps = logprobs.get(req.seq_id)
+            if len(tokens) > 1:
+                for j in range(1, len(tokens)):
+                    child = req.fork(j, tokens[j], next(self._arrival))
+                    self.kv.fork(req, child)
+                    sched.running.append(child)
+                    group.seqs[j] = child
+                    if req.detokenizer is not None:
+                        self._attach_detokenizer(child, replay=False)
+                    self._on_token(child, tokens[j], lps[j] if lps else None, first_append_done=True)
+            req.forked = True
+            self._on_token(req, tokens[0], lps[0] if lps else None)
+            changed[req.request_id] = group
+
+    def _on_token(self, req: Request, token: int, lp, first_append_done: bool = False) -> None:
+        if not first_append_done:
+            req.token_ids.append(token)
+        if lp is not None and req.logprobs is not None:
+            req.logprobs.append(lp)
+        self.generation_tokens += 1
+        params = req.params
+        stop_str = req.detokenizer.add(token) if req.detokenizer is not None else None
+        n_out = req.num_output_tokens
+        status = None
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif stop_str is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
+                               or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+
+    # -- reporting --------------------------------------------------------------------------
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        cached = 0
+        for i, seq in enumerate(group.seqs):
+            if seq is None:
+                outs.append(CompletionOutput(i, "", []))
+                continue
+            if seq.detokenizer is not None:
+                text = seq.detokenizer.text
+            elif seq.is_finished:
+                text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+            else:
+                text = ""
+            reason = seq.status.value if seq.is_finished else None
+            outs.append(CompletionOutput(i, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs))
+            cached = max(cached, seq.num_cached_tokens)
+        return RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
+
+    def stats(self) -> SchedulerStats:
+        sched = self.scheduler
+        return SchedulerStats(
+            num_waiting=len(sched.waiting), num_running=len(sched.running), kv_usage=self.pool.usage(),
+            num_kv_blocks=self.pool.num_blocks, prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits, num_preemptions=sched.num_preemptions,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        if self._events is None:
+            return []
+        events, self._events[:] = list(self._events), []
+        return events

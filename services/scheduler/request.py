@@ -1,0 +1,101 @@
+"""One sequence being served, and the explicit state machine it moves through.
+
+A request with `n > 1` starts as one sequence; when its prompt is done it forks into `n` sequences that
+share the prompt's KV blocks (copy-on-write). Each sequence is scheduled on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from services.sampling_params import SamplingParams
+from services.scheduler.output import SamplingSpec
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_ERROR}
+_ALLOWED = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING} | _FINISHED,
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _FINISHED,
+}
+
+
+class Request:
+    """A sequence: its tokens, how many of them sit in the KV cache, and where it is in its life."""
+
+    __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
+                 "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
+                 "logprobs", "forked", "detokenizer", "num_preemptions")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
+                 sample_index: int = 0):
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.seq_id = request_id if sample_index == 0 else f"{request_id}#{sample_index}"
+        self.params = params
+        self.spec = SamplingSpec(float(params.temperature), float(params.top_p), int(params.top_k),
+                                 params.seed, params.logprobs)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival = arrival
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, computed lazily
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.forked = params.n == 1  # True once the n samples exist
+        self.detokenizer = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISHED
+
+    def set_status(self, new: RequestStatus) -> None:
+        if new not in _ALLOWED.get(self.status, ()):
+            raise AssertionError(f"{self.seq_id}: illegal transition {self.status.name} -> {new.name}")
+        self.status = new
+
+    def fork(self, sample_index: int, first_token: int, arrival: int) -> Request:
+        """A sibling sample sharing this prompt; the caller shares the KV blocks."""
+        child = Request(self.request_id, self.token_ids[:self.num_prompt_tokens], self.params, arrival,
+                        sample_index)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.forked = True
+        child.status = RequestStatus.RUNNING
+        child.token_ids.append(first_token)
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

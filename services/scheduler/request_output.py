@@ -1,0 +1,40 @@
+"""What callers get back for a request: one entry per sample, cumulative, until `finished`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.output import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when the engine failed under this request
+
+
+@dataclass
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    num_kv_blocks: int
+    prefix_queries: int  # tokens looked up in the prefix cache
+    prefix_hits: int  # tokens found there
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int

@@ -1,0 +1,163 @@
+"""Iteration-level scheduling: which sequences run in the next forward pass, and with how many tokens.
+
+Every step: running decodes first (one token each), then running prompts that are mid-prefill, then
+waiting requests in arrival order, all under a token budget (chunked prefill: a long prompt takes
+what is left and continues next step, so decodes never stall behind it). When KV blocks run out the
+most recently admitted sequence is preempted and later recomputed. Waiting requests are admitted
+strictly first come, first served: the head of the queue is never overtaken, so none starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.output import ScheduledSequence, SchedulerOutput
+from services.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._step = 0
+        self._scheduled: list[tuple[Request, int]] = []
+        self.rejected: list[Request] = []  # finished without running; the engine core reports them
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take `req` out of whichever queue holds it and release its blocks at once."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.set_status(status)
+        self.kv.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        # 1. Decodes, in admission order; blocks short -> preempt the newest running sequence.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.num_tokens - req.num_computed_tokens != 1:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, 1))
+                budget -= 1
+                i += 1
+
+        # 2. Prompts already admitted but not fully computed (chunked prefill continues).
+        for req in self.running:
+            if budget <= 0:
+                break
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining <= 1:
+                continue
+            n = min(remaining, budget)
+            if self.kv.allocate_slots(req, n):
+                scheduled.append((req, n))
+                budget -= n
+
+        # 3. Admit waiting requests, first come first served; none after a preemption this step.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, cached=cached, watermark=True):
+                if not self.running and not scheduled:
+                    self._reject_oversized(req)
+                    continue
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self.kv.record_hit(req, num_cached)
+            req.num_computed_tokens = num_cached
+            req.set_status(RequestStatus.RUNNING)
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        self._scheduled = scheduled
+        self._step += 1
+        return SchedulerOutput(
+            step_id=self._step,
+            sequences=[self._describe(req, n) for req, n in scheduled],
+            blocks_to_copy=self.kv.take_copies(),
+        )
+
+    def _describe(self, req: Request, n: int) -> ScheduledSequence:
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        return ScheduledSequence(
+            seq_id=req.seq_id,
+            token_ids=req.token_ids[start:start + n],
+            start_pos=start,
+            block_table=self.kv.block_ids[req.seq_id],
+            sample=sample,
+            sampling=req.spec,
+            num_samples=req.params.n if (sample and not req.forked) else 1,
+            sample_index=req.sample_index,
+            output_index=req.num_output_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.set_status(RequestStatus.PREEMPTED)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _reject_oversized(self, req: Request) -> None:
+        """Nothing runs and the head request still doesn't fit: it never will. Finish it as 'length'."""
+        self.waiting.popleft()
+        req.set_status(RequestStatus.FINISHED_LENGTH)
+        self.rejected.append(req)
+
+    @property
+    def last_scheduled(self) -> list[tuple[Request, int]]:
+        return self._scheduled
