@@ -1,0 +1,80 @@
+"""A model-free engine for scheduler tests: it stores token ids in KV "slots" and checks them.
+
+Each step it verifies that every position a sequence attends to holds that sequence's own token (so
+block tables, prefix sharing and copy-on-write are right), applies block copies, and returns a token
+that depends on the whole context: recomputation after preemption must reproduce it exactly.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.output import EngineInfo, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+
+EOS = 3
+
+
+class ShadowExecutor:
+    def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 1000, max_model_len: int = 4096):
+        self.info = EngineInfo("shadow", block_size, num_blocks, max_model_len, vocab_size, "float32", "cpu", [EOS])
+        self.slots: dict[int, int] = {}
+        self.history: dict[str, list[int]] = {}
+        self.steps: list[SchedulerOutput] = []
+        self.on_execute = None  # test hook, called with each SchedulerOutput before it runs
+        self.eos_after: dict[str, int] = {}  # seq_id -> emit EOS once this many tokens exist
+        self.lookup = None  # seq_id -> the scheduler's token list (to check prefix-cache hits)
+
+    def handshake(self) -> EngineInfo:
+        return self.info
+
+    def next_token(self, context: list[int]) -> int:
+        return (sum(context) * 7 + len(context) * 13) % (self.info.vocab_size - 10) + 10
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.on_execute:
+            self.on_execute(out)
+        self.steps.append(out)
+        bs = self.info.block_size
+        for src, dst in out.blocks_to_copy:
+            for off in range(bs):
+                if src * bs + off in self.slots:
+                    self.slots[dst * bs + off] = self.slots[src * bs + off]
+        result = ModelRunnerOutput(out.step_id)
+        for s in out.sequences:
+            hist = self.history.setdefault(s.seq_id, [])
+            if s.start_pos > len(hist) and self.lookup is not None:
+                hist[:] = self.lookup(s.seq_id)[:s.start_pos]  # a prefix hit: positions it never computed
+            for i, tok in enumerate(s.token_ids):
+                p = s.start_pos + i
+                if p < len(hist):
+                    assert hist[p] == tok, f"{s.seq_id}: token at {p} changed"
+                else:
+                    assert p == len(hist), f"{s.seq_id}: gap before position {p}"
+                    hist.append(tok)
+            for p in range(s.start_pos):
+                slot = s.block_table[p // bs] * bs + p % bs
+                assert self.slots.get(slot) == hist[p], f"{s.seq_id}: KV at position {p} is not its own token"
+            for i, tok in enumerate(s.token_ids):
+                p = s.start_pos + i
+                self.slots[s.block_table[p // bs] * bs + p % bs] = tok
+            if s.sample:
+                ctx = hist[:s.start_pos + len(s.token_ids)]
+                toks = []
+                for j in range(s.num_samples):
+                    t = self.next_token(ctx + [j])
+                    if len(ctx) + 1 >= self.eos_after.get(s.seq_id, 1 << 30):
+                        t = EOS
+                    toks.append(t)
+                    if j:
+                        self.history[f"{s.seq_id.split('#')[0]}#{s.sample_index + j}"] = list(ctx)
+                result.sampled[s.seq_id] = toks
+                if s.sampling.logprobs is not None:
+                    result.logprobs[s.seq_id] = [TokenLogprobs(-0.5, [t], [-0.5]) for t in toks]
+        return result
+
+    def reset(self) -> None:
+        self.slots.clear()
+
+    def health(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
