@@ -107,3 +107,41 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+class AppServer:
+    """An ASGI app served by a real uvicorn on a free loopback port, in a background thread."""
+
+    def __init__(self, app, port: int | None = None):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = None
+
+    def __enter__(self) -> AppServer:
+        import threading
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The real SmolLM2 tokenizer (chat template included)."""
+    from services.model_source import resolve_model
+    from services.tokenizer import ModelTokenizer
+
+    return ModelTokenizer(resolve_model(None))

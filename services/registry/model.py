@@ -19,6 +19,7 @@ class ReplicaInfo:
     block_size: int
     max_model_len: int
     capacity: int  # requests it runs at once (max_num_seqs): the scale of its load figures
+    hash_seed: int  # root of its block-hash chains (services.block_hash.model_hash_seed of its engine)
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class ReplicaLoad:
     num_running: int = 0
     kv_usage: float = 0.0
     healthy: bool = True  # False while its engine is down: routers skip it
+    cached_blocks: int = 0  # size of its block set: where new prefixes fit best
 
     @property
     def requests(self) -> int:

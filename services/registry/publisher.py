@@ -54,6 +54,7 @@ class ReplicaPublisher:
                                 self.info.replica_id, type(exc).__name__, exc)
                 self._failing = True
                 self._resync = True
+                self._last_load = None  # re-register as soon as the sink answers again
             else:
                 if self._failing:
                     log.info("registry reachable again for replica %s; block set resynced",
@@ -67,6 +68,7 @@ class ReplicaPublisher:
     async def tick(self) -> None:
         self._absorb(self.source.drain_kv_events())
         load = self.source.load()
+        load.cached_blocks = len(self._mirror)
         now = time.monotonic()
         if self._load_changed(load) or now - self._last_beat >= self.heartbeat_interval:
             await self.sink.write_state(ReplicaState(self.info, load), self.ttl)
@@ -107,4 +109,4 @@ class ReplicaPublisher:
     def _load_changed(self, load: ReplicaLoad) -> bool:
         last = self._last_load
         return (last is None or load.requests != last.requests or load.healthy != last.healthy
-                or abs(load.kv_usage - last.kv_usage) >= 0.05)
+                or load.cached_blocks != last.cached_blocks or abs(load.kv_usage - last.kv_usage) >= 0.01)

@@ -40,7 +40,7 @@ class FakeReplica:
 
 def _info(rid: str) -> ReplicaInfo:
     return ReplicaInfo(replica_id=rid, url=f"http://{rid}", model="m", block_size=4, max_model_len=128,
-                       capacity=8)
+                       capacity=8, hash_seed=SEED)
 
 
 def _backends(redis_url: str | None):

@@ -1,0 +1,1 @@
+"""The OpenAI HTTP layer of a model replica: request validation, SSE streaming, usage, errors."""

@@ -1,0 +1,94 @@
+"""The response of one OpenAI request as its engine outputs arrive: stream deltas, then the whole.
+
+Engine outputs are cumulative per request; a completions request with several prompts is several
+engine requests, and each has n samples: choice index = prompt index * n + sample index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.api import responses as R
+from services.scheduler.request_output import RequestOutput
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    reason: str | None = None
+    sent_text: int = 0  # characters already streamed
+    sent_tokens: int = 0
+    started: bool = False  # chat streams open each choice with a role delta
+
+
+class ResponseAccumulator:
+    def __init__(self, kind: str, request_id: str, model: str, n: int, prompt_lens: list[int],
+                 token_text: R.TokenText, want_logprobs: bool, include_usage: bool = False):
+        self.kind, self.request_id, self.model, self.n = kind, request_id, model, n
+        self.prompt_lens = prompt_lens
+        self.token_text = token_text
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.created = R.now()
+        self.choices = [_Choice() for _ in range(n * len(prompt_lens))]
+        self.cached = [0] * len(prompt_lens)
+        self.error: str | None = None
+
+    def update(self, prompt_idx: int, out: RequestOutput) -> list[dict]:
+        """Absorb a cumulative output; return the stream-chunk choices it adds."""
+        self.cached[prompt_idx] = out.num_cached_tokens
+        if out.error and not self.error:
+            self.error = out.error
+        deltas = []
+        for o in out.outputs:
+            c = self.choices[prompt_idx * self.n + o.index]
+            c.text, c.token_ids, c.logprobs = o.text, list(o.token_ids), list(o.logprobs or [])
+            newly_finished = o.finish_reason is not None and c.reason is None
+            c.reason = o.finish_reason if o.finish_reason is not None else c.reason
+            delta = c.text[c.sent_text:] if len(c.text) > c.sent_text else ""
+            if not delta and not newly_finished and (c.started or self.kind != "chat"):
+                continue
+            deltas.append(self._stream_choice(prompt_idx * self.n + o.index, c, delta))
+        return deltas
+
+    def _stream_choice(self, index: int, c: _Choice, delta: str) -> dict:
+        lps = None
+        new_ids = c.token_ids[c.sent_tokens:]
+        if self.want_logprobs and new_ids:
+            entries = c.logprobs[c.sent_tokens:c.sent_tokens + len(new_ids)]
+            lps = self._logprobs(entries, new_ids, c.sent_text)
+        first = not c.started
+        c.started = True
+        c.sent_text += len(delta)
+        c.sent_tokens = len(c.token_ids)
+        return R.choice(self.kind, index, delta, c.reason, lps, first=first, stream=True)
+
+    def _logprobs(self, entries, token_ids, offset) -> dict:
+        if self.kind == "chat":
+            return R.chat_logprobs(entries, token_ids, self.token_text)
+        return R.completion_logprobs(entries, token_ids, self.token_text, offset)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.reason is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        return R.usage(sum(self.prompt_lens), sum(len(c.token_ids) for c in self.choices), sum(self.cached))
+
+    def chunk(self, choices: list[dict]) -> dict:
+        return R.envelope(self.kind, self.request_id, self.model, self.created, choices, stream=True,
+                          with_usage_field=self.include_usage)
+
+    def usage_chunk(self) -> dict:
+        return R.envelope(self.kind, self.request_id, self.model, self.created, [], stream=True,
+                          usage_obj=self.usage())
+
+    def response(self) -> dict:
+        choices = []
+        for i, c in enumerate(self.choices):
+            lps = self._logprobs(c.logprobs, c.token_ids, 0) if self.want_logprobs else None
+            choices.append(R.choice(self.kind, i, c.text, c.reason, lps))
+        return R.envelope(self.kind, self.request_id, self.model, self.created, choices, stream=False,
+                          usage_obj=self.usage())

@@ -1,0 +1,84 @@
+"""The scheduler's Prometheus metrics, under the names of services.metric_names.
+
+Queue, KV and token counters are read from the engine core's stats at scrape time (one source of
+truth, nothing to keep in sync); latency histograms are observed per request by the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from services import metric_names as M
+from services.scheduler.request_output import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _StatsCollector:
+    def __init__(self, stats: Callable[[], SchedulerStats | None]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily(M.REQUESTS_WAITING, "requests queued, not yet scheduled", value=s.num_waiting)
+        yield GaugeMetricFamily(M.REQUESTS_RUNNING, "requests in the running batch", value=s.num_running)
+        yield GaugeMetricFamily(M.KV_CACHE_USAGE_RATIO, "share of KV blocks in use", value=s.kv_usage)
+        for name, doc, value in (
+            (M.PREFIX_CACHE_QUERIES, "prompt tokens looked up in the prefix cache", s.prefix_queries),
+            (M.PREFIX_CACHE_HITS, "prompt tokens found in the prefix cache", s.prefix_hits),
+            (M.PREEMPTIONS, "requests preempted for lack of KV blocks", s.num_preemptions),
+            (M.PROMPT_TOKENS, "prompt tokens received", s.prompt_tokens),
+            (M.GENERATION_TOKENS, "tokens generated", s.generation_tokens),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class SchedulerMetrics:
+    def __init__(self, stats: Callable[[], SchedulerStats | None]):
+        self.registry = CollectorRegistry()  # per app: `serve` and tests run several in one process
+        self.ttft = Histogram(M.TIME_TO_FIRST_TOKEN, "time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(M.INTER_TOKEN_LATENCY, "time between two tokens of one sample",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(M.E2E_REQUEST_LATENCY, "time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StatsCollector(stats))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latency observations of one request, fed with its count of generated tokens after each output."""
+
+    def __init__(self, metrics: SchedulerMetrics | None):
+        self.metrics = metrics
+        self.start = self.last = time.monotonic()
+        self.tokens = 0
+
+    def tokens_now(self, total_tokens: int) -> None:
+        if self.metrics is None or total_tokens <= self.tokens:
+            return
+        now = time.monotonic()
+        if self.tokens == 0:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            # Tokens arrive in steps; spread the gap over them, as each is one inter-token interval.
+            per_token = (now - self.last) / (total_tokens - self.tokens)
+            for _ in range(total_tokens - self.tokens):
+                self.metrics.itl.observe(per_token)
+        self.tokens, self.last = total_tokens, now
+
+    def finished(self) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.monotonic() - self.start)

@@ -1,0 +1,107 @@
+"""From a parsed OpenAI request to what the engine takes: prompt token ids and SamplingParams.
+
+The router and the scheduler both run this, so both apply the same chat template, the same defaults
+and the same context-length rule; a request the router accepts is one the scheduler accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.api.errors import APIError
+from services.api.protocol import ChatCompletionRequest, CompletionRequest
+from services.sampling_params import InvalidRequestError, SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+
+@dataclass
+class PreparedRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    prompts: list[list[int]]  # one token list per prompt (completions accept several)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
+                       tokenizer: TokenizerLike) -> list[list[int]]:
+    if req.prompt_token_ids is not None:
+        prompts = [list(req.prompt_token_ids)]
+    elif isinstance(req, ChatCompletionRequest):
+        try:
+            prompts = [tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])]
+        except Exception as exc:  # the template's own raise_exception(), e.g. roles out of order
+            raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
+                           "messages") from None
+    elif isinstance(req.prompt, str):
+        prompts = [tokenizer.encode(req.prompt)]
+    elif req.prompt and isinstance(req.prompt[0], str):
+        prompts = [tokenizer.encode(p) for p in req.prompt]
+    elif req.prompt and isinstance(req.prompt[0], int):
+        prompts = [list(req.prompt)]
+    else:
+        prompts = [list(p) for p in req.prompt]
+    if any(len(p) == 0 for p in prompts):
+        raise APIError(400, "prompt must not be empty", _prompt_field(req))
+    return prompts
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                    max_model_len: int) -> SamplingParams:
+    """SamplingParams with OpenAI's defaults; raises APIError (400) naming the bad field."""
+    field = _prompt_field(req)
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.", field,
+                       "context_length_exceeded")
+    is_chat = isinstance(req, ChatCompletionRequest)
+    max_tokens = req.max_tokens
+    max_tokens_field = "max_tokens"
+    if is_chat and req.max_completion_tokens is not None:
+        max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len if is_chat else COMPLETION_DEFAULT_MAX_TOKENS
+        max_tokens = min(max_tokens, max_model_len - prompt_len)
+    logprobs = req.logprobs
+    if is_chat:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    try:
+        params = SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except InvalidRequestError as exc:
+        name = max_tokens_field if exc.field == "max_tokens" else exc.field
+        if is_chat and exc.field == "logprobs":
+            name = "top_logprobs"
+        raise APIError(400, f"{name}: {exc.message}", name) from None
+    if prompt_len + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                       f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
+                       f"in the completion). Please reduce the length of the prompt or completion.",
+                       max_tokens_field, "context_length_exceeded")
+    return params
+
+
+def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,
+            max_model_len: int) -> PreparedRequest:
+    prompts = prompt_token_lists(req, tokenizer)
+    params = sampling_params(req, max(len(p) for p in prompts), max_model_len)
+    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
+    return PreparedRequest(kind, req.model, prompts, params, req.stream, req.include_usage)
+
+
+def _prompt_field(req) -> str:
+    return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"

@@ -1,0 +1,184 @@
+"""The OpenAI endpoints of one replica, mounted on an engine client (services.scheduler.async_engine).
+
+Everything that can be wrong with a request is found before the response starts (a 4xx), and an
+engine that fails before the first byte is a 503, which the router retries on another replica. A
+client that goes away aborts its engine requests, which frees their KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.api.accumulator import ResponseAccumulator
+from services.api.errors import APIError
+from services.api.metrics import RequestTimer, SchedulerMetrics
+from services.api.prompts import PreparedRequest, prepare
+from services.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.api.streams import ClientGone, merge, until_disconnect
+from services.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduler.request_output import RequestOutput
+
+log = logging.getLogger(__name__)
+
+# Longer texts are tokenized off the event loop, so one huge prompt does not stall other streams.
+_INLINE_TOKENIZE_CHARS = 20_000
+
+
+class EngineClient(Protocol):
+    healthy: bool
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+@dataclass
+class ServingConfig:
+    model_name: str
+    max_model_len: int
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+def sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
+def engine_error(message: str) -> APIError:
+    return APIError(503, f"the engine failed while serving this request: {message}", code="engine_error")
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, tokenizer, config: ServingConfig,
+                 metrics: SchedulerMetrics | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, "cmpl-")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, "chatcmpl-")
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _serve(self, request: Request, model_cls, id_prefix: str) -> Response:
+        body = await read_json_body(request, self.config.max_body_bytes)
+        req = parse_request(model_cls, body)
+        check_model(req.model, self.config.model_name)
+        if _text_size(req) > _INLINE_TOKENIZE_CHARS:
+            prepared = await asyncio.to_thread(prepare, req, self.tokenizer, self.config.max_model_len)
+        else:
+            prepared = prepare(req, self.tokenizer, self.config.max_model_len)
+        if not self.engine.healthy:
+            raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
+        request_id = id_prefix + uuid.uuid4().hex
+        acc = ResponseAccumulator(prepared.kind, request_id, prepared.model, prepared.params.n,
+                                  [len(p) for p in prepared.prompts], self.token_text,
+                                  prepared.params.logprobs is not None, prepared.include_usage)
+        run = _Run(self.engine, prepared, request_id, RequestTimer(self.metrics))
+        try:
+            if prepared.stream:
+                return await self._stream(request, run, acc)
+            return await self._whole(request, run, acc)
+        except ClientGone:
+            run.abort()
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        except InvalidRequestError as exc:
+            run.abort()
+            raise APIError.from_invalid(exc) from None
+        except BaseException:
+            run.abort()
+            raise
+
+    async def _whole(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
+        async def collect() -> None:
+            async for idx, out in run.outputs():
+                acc.update(idx, out)
+                run.timer.tokens_now(max(len(c.token_ids) for c in acc.choices))
+
+        await until_disconnect(collect(), request)
+        run.timer.finished()
+        if acc.error:
+            raise engine_error(acc.error)
+        return JSONResponse(acc.response())
+
+    async def _stream(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
+        outputs = run.outputs()
+        # Wait for the first output before sending headers: errors until then are a proper status code.
+        first = await until_disconnect(anext(outputs), request)
+        first_choices = acc.update(*first)
+        if acc.error:
+            raise engine_error(acc.error)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first_choices:
+                    yield sse(acc.chunk(first_choices))
+                async for idx, out in outputs:
+                    choices = acc.update(idx, out)
+                    run.timer.tokens_now(max(len(c.token_ids) for c in acc.choices))
+                    if acc.error:
+                        log.warning("request %s failed mid-stream: %s", acc.request_id, acc.error)
+                        yield sse(engine_error(acc.error).body())
+                        return
+                    if choices:
+                        yield sse(acc.chunk(choices))
+                run.timer.finished()
+                if acc.include_usage:
+                    yield sse(acc.usage_chunk())
+                yield "data: [DONE]\n\n"
+            finally:
+                run.abort()  # no-op for finished requests; frees the blocks of a client that left
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Run:
+    """The engine requests behind one HTTP request (one per prompt)."""
+
+    def __init__(self, engine: EngineClient, prepared: PreparedRequest, request_id: str, timer: RequestTimer):
+        self.engine = engine
+        self.prepared = prepared
+        self.timer = timer
+        self.ids = [request_id] if len(prepared.prompts) == 1 else [
+            f"{request_id}-{i}" for i in range(len(prepared.prompts))]
+        self.done: set[str] = set()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        streams = [self.engine.generate(rid, p, self.prepared.params)
+                   for rid, p in zip(self.ids, self.prepared.prompts, strict=True)]
+        async for idx, out in merge(streams):
+            if out.finished:
+                self.done.add(self.ids[idx])
+            yield idx, out
+
+    def abort(self) -> None:
+        for rid in self.ids:
+            if rid not in self.done:
+                self.engine.abort(rid)
+                self.done.add(rid)
+
+
+def _text_size(req) -> int:
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0

@@ -1,0 +1,35 @@
+"""The router's HTTP app: the public OpenAI endpoint, /health and /metrics."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.api.app import add_openai_routes, bare_app, models_body
+from services.router.service import RouterService
+
+
+def create_router_app(service: RouterService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await service.close()
+
+    app = bare_app(lifespan)
+
+    async def models(request: Request) -> dict:
+        service.keys.check(request.headers.get("authorization"))
+        return models_body(service.config.model_name, service.max_model_len)
+
+    add_openai_routes(app, service, models, service.metrics.render)
+
+    @app.get("/health")
+    async def health() -> Response:
+        # The router itself is healthy without replicas (it answers 503s clearly); report them for humans.
+        replicas = await service.view.snapshot([])
+        return JSONResponse({"healthy": True, "replicas": sorted(r.info.replica_id for r in replicas),
+                             "queue_depth": service.admission.waiting})
+
+    return app

@@ -1,0 +1,119 @@
+"""Routing policies: rank the live replicas for one request, best first (the rest are retry order).
+
+Every choice is a function of the registry snapshot and the request alone (ties broken by rendezvous
+hashing, never by chance), so any number of routers reading one Redis make the same choice. Only
+round-robin keeps a counter, which is its definition.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import xxhash
+
+from services.registry.model import ReplicaState
+
+# Prefix affinity pays only when the cached part is a real share of the prompt: a shared chat-template
+# header of one block is not worth sending everyone to one replica.
+MIN_MATCH_RATIO = 0.3
+MIN_MATCH_TOKENS = 256
+# Hot-spot guard: a replica whose load exceeds the least loaded one's by more than
+# max(GUARD_ABS, GUARD_REL * least) loses its affinity; load wins.
+GUARD_ABS = 4
+GUARD_REL = 0.5
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    block_hashes: list[int]  # full blocks of the prompt, hashed with the replicas' seed
+    prompt_tokens: int
+    block_size: int
+    session_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        """What rendezvous hashing spreads on: the prompt's first block, else its length."""
+        return str(self.block_hashes[0]) if self.block_hashes else f"len:{self.prompt_tokens}"
+
+
+def rendezvous(key: str, replica_id: str) -> int:
+    """Highest-random-weight hashing: every router ranks replicas for a key identically."""
+    return xxhash.xxh3_64_intdigest(f"{key}|{replica_id}".encode())
+
+
+def _load_key(r: ReplicaState, key: str):
+    return (r.load.requests, r.load.kv_usage, r.load.cached_blocks, -rendezvous(key, r.info.replica_id))
+
+
+def least_loaded(replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
+    return sorted(replicas, key=lambda r: _load_key(r, req.key))
+
+
+def match_ratio(r: ReplicaState, req: RouteRequest) -> float:
+    return r.matched_blocks * req.block_size / req.prompt_tokens if req.prompt_tokens else 0.0
+
+
+class PrefixPolicy:
+    name = "prefix"
+
+    def rank(self, replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
+        if not replicas:
+            return []
+        min_load = min(r.load.requests for r in replicas)
+        slack = max(GUARD_ABS, GUARD_REL * min_load)
+        eligible = [r for r in replicas if r.load.requests <= min_load + slack]
+        best = max(eligible, key=lambda r: (r.matched_blocks, -r.load.requests,
+                                            rendezvous(req.key, r.info.replica_id)))
+        worth_it = best.matched_blocks > 0 and (
+            match_ratio(best, req) >= MIN_MATCH_RATIO or best.matched_blocks * req.block_size >= MIN_MATCH_TOKENS)
+        if worth_it:
+            rest = least_loaded([r for r in replicas if r is not best], req)
+            return [best, *rest]
+        # No useful affinity: least loaded; among equals, the one caching least, where a new prefix fits.
+        return sorted(replicas, key=lambda r: (r.load.requests, r.load.cached_blocks, r.load.kv_usage,
+                                               -rendezvous(req.key, r.info.replica_id)))
+
+
+class LeastLoadedPolicy:
+    name = "least-loaded"
+
+    def rank(self, replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
+        return least_loaded(replicas, req)
+
+
+class RoundRobinPolicy:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def rank(self, replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
+        if not replicas:
+            return []
+        ordered = sorted(replicas, key=lambda r: r.info.replica_id)
+        start = next(self._next) % len(ordered)
+        return ordered[start:] + ordered[:start]
+
+
+class SessionPolicy:
+    """Sticky by `x-session-id` (rendezvous: a session moves only when its replica goes away);
+    requests without the header are routed by prefix."""
+
+    name = "session"
+
+    def __init__(self) -> None:
+        self._fallback = PrefixPolicy()
+
+    def rank(self, replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
+        if not req.session_id:
+            return self._fallback.rank(replicas, req)
+        return sorted(replicas, key=lambda r: -rendezvous("session:" + req.session_id, r.info.replica_id))
+
+
+def make_policy(name: str):
+    policies = {"prefix": PrefixPolicy, "least-loaded": LeastLoadedPolicy, "round-robin": RoundRobinPolicy,
+                "session": SessionPolicy}
+    if name not in policies:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(policies)}")
+    return policies[name]()

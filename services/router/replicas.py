@@ -1,0 +1,88 @@
+"""Which replicas a request may go to now: the registry snapshot, filtered and kept usable in outages.
+
+When the index (Redis) cannot be read, the last good snapshot stands in, without prefix matches: routing
+degrades to load only and requests keep flowing. Local in-flight counts lift published load figures
+between two publishes; they are the only live signal while Redis is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Protocol
+
+from services.registry.model import PrefixIndex, ReplicaInfo, ReplicaLoad, ReplicaState
+from services.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# A replica is saturated when it has a full batch running and as many again waiting; beyond that a
+# request waits in the router's queue, where it can still go to whichever replica frees up first.
+SATURATION_FACTOR = 2
+# How long an empty registry is distrusted after a non-empty one (a Redis that restarted empty).
+EMPTY_GRACE = 5.0
+
+
+class ReplicaFilter(Protocol):
+    def allows(self, info: ReplicaInfo) -> bool: ...
+
+
+class ReplicaView:
+    def __init__(self, index: PrefixIndex, metrics: RouterMetrics, replica_filter: ReplicaFilter | None = None):
+        self.index = index
+        self.metrics = metrics
+        self.filter = replica_filter
+        self.inflight: dict[str, int] = defaultdict(int)
+        self._last: list[ReplicaState] = []
+        self._last_at = 0.0
+        self._index_down = False
+
+    @property
+    def known(self) -> list[ReplicaState]:
+        """The replicas of the last good snapshot (for their seeds and limits)."""
+        return self._last
+
+    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
+        try:
+            states = await self.index.snapshot(block_hashes)
+        except Exception as exc:
+            if not self._index_down:
+                log.warning("prefix index unreachable (%s: %s); routing on load only", type(exc).__name__, exc)
+                self._index_down = True
+            states = [ReplicaState(s.info, s.load, 0) for s in self._last]
+        else:
+            if self._index_down:
+                log.info("prefix index reachable again; prefix routing resumed")
+                self._index_down = False
+            if states or time.monotonic() - self._last_at > EMPTY_GRACE:
+                self._last = [ReplicaState(s.info, s.load, 0) for s in states]
+                self._last_at = time.monotonic()
+            else:
+                # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile
+                # the last view serves (retries cover any replica that really went away).
+                states = [ReplicaState(s.info, s.load, 0) for s in self._last]
+        live = [self._with_local_load(s) for s in states
+                if s.load.healthy and (self.filter is None or self.filter.allows(s.info))]
+        self.metrics.healthy_replicas.set(len(live))
+        return live
+
+    async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
+        if self._index_down:
+            return
+        try:
+            await self.index.claim(replica_id, block_hashes)
+        except Exception as exc:  # a lost claim only costs one possible cache miss
+            log.debug("prefix claim failed: %s", exc)
+
+    def _with_local_load(self, s: ReplicaState) -> ReplicaState:
+        local = self.inflight.get(s.info.replica_id, 0)
+        if local <= s.load.requests:
+            return s
+        load = ReplicaLoad(s.load.num_waiting, local - s.load.num_waiting, s.load.kv_usage, s.load.healthy,
+                           s.load.cached_blocks)
+        return ReplicaState(s.info, load, s.matched_blocks)
+
+
+def saturated(s: ReplicaState) -> bool:
+    return s.load.requests >= SATURATION_FACTOR * max(1, s.info.capacity)

@@ -1,0 +1,138 @@
+"""One routed request, end to end: authenticate, validate, tokenize once, hash, pick, forward.
+
+The router validates with the scheduler's own rules (services.api) so bad input never costs a
+replica anything, and it forwards the token ids it computed, so the scheduler does not tokenize again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from services.api.errors import APIError
+from services.api.prompts import prepare
+from services.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.api.serving import check_model
+from services.block_hash import hash_blocks
+from services.registry.model import PrefixIndex
+from services.router.admission import Admission
+from services.router.auth import ApiKeys
+from services.router.metrics import RouterMetrics
+from services.router.policies import RouteRequest, make_policy, match_ratio
+from services.router.proxy import Proxy
+from services.router.replicas import ReplicaFilter, ReplicaView, saturated
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+_INLINE_TOKENIZE_CHARS = 20_000
+
+
+@dataclass
+class RouterConfig:
+    model_name: str
+    max_model_len: int  # until replicas publish theirs
+    block_size: int  # likewise
+    hash_seed: int  # likewise
+    policy: str = "prefix"
+    max_queue: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout: float = 600.0
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig, tokenizer, index: PrefixIndex, api_keys: ApiKeys,
+                 replica_filter: ReplicaFilter | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.keys = api_keys
+        self.metrics = RouterMetrics()
+        self.policy = make_policy(config.policy)
+        self.view = ReplicaView(index, self.metrics, replica_filter)
+        self.admission = Admission(config.max_queue, self.metrics)
+        self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done)
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def max_model_len(self) -> int:
+        known = [s.info.max_model_len for s in self.view.known]
+        return min(known) if known else self.config.max_model_len
+
+    async def completions(self, request: Request) -> Response:
+        return await self._counted(self._route(request, CompletionRequest, "/v1/completions"))
+
+    async def chat(self, request: Request) -> Response:
+        return await self._counted(self._route(request, ChatCompletionRequest, "/v1/chat/completions"))
+
+    async def _counted(self, handling) -> Response:
+        """Count what the router answers itself; forwarded answers are counted by the proxy."""
+        try:
+            return await handling
+        except APIError as exc:
+            self.metrics.requests.labels(str(exc.status)).inc()
+            raise
+        except Exception:
+            self.metrics.requests.labels("500").inc()
+            raise
+
+    async def _route(self, request: Request, model_cls, path: str) -> Response:
+        self.keys.check(request.headers.get("authorization"))
+        body = await read_json_body(request, self.config.max_body_bytes)
+        req = parse_request(model_cls, body)
+        check_model(req.model, self.config.model_name)
+        if len(json.dumps(body.get("messages") or body.get("prompt") or "")) > _INLINE_TOKENIZE_CHARS:
+            prepared = await asyncio.to_thread(prepare, req, self.tokenizer, self.max_model_len)
+        else:
+            prepared = prepare(req, self.tokenizer, self.max_model_len)
+        ids = prepared.prompts[0]
+        if len(prepared.prompts) == 1:
+            body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
+        route = RouteRequest(self._hash(ids), len(ids), self.config.block_size,
+                             request.headers.get(SESSION_HEADER))
+        ranked = await self.admission.admit(lambda: self._pick(ids, route), self.config.request_timeout)
+        chosen = ranked[0]
+        self.metrics.decisions.labels(self.policy.name, chosen.info.replica_id).inc()
+        self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
+        if chosen.matched_blocks < len(route.block_hashes):
+            self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes))
+        return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
+
+    async def _pick(self, ids: list[int], route: RouteRequest) -> list | None:
+        replicas = await self.view.snapshot(route.block_hashes)
+        if replicas:
+            info = replicas[0].info
+            if (info.hash_seed, info.block_size) != (self.config.hash_seed, self.config.block_size):
+                # The replicas hash with another seed or block size than our start-up guess: adopt theirs.
+                self.config.hash_seed, self.config.block_size = info.hash_seed, info.block_size
+                route.block_hashes, route.block_size = self._hash(ids), info.block_size
+                replicas = await self.view.snapshot(route.block_hashes)
+        if not replicas:
+            raise APIError(503, "no healthy replica is registered", code="no_replicas",
+                           headers={"Retry-After": "1"})
+        open_ = [r for r in replicas if not saturated(r)]
+        if not open_:
+            return None
+        return self.policy.rank(open_, route)
+
+    def _hash(self, ids: list[int]) -> list[int]:
+        return hash_blocks(ids, self.config.block_size, self.config.hash_seed)
+
+    def _started(self, replica_id: str) -> None:
+        self.view.inflight[replica_id] += 1
+
+    def _done(self, replica_id: str) -> None:
+        self.view.inflight[replica_id] -= 1
+        self.admission.released()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        await self.proxy.close()

@@ -1,0 +1,188 @@
+"""The OpenAI HTTP layer over a scripted engine: formats with the real `openai` client, every kind of
+bad input as a 4xx error object, engine failures as 503s, and disconnects as aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import AppServer
+
+from services.api.app import create_replica_app
+from services.api.metrics import SchedulerMetrics
+from services.api.serving import OpenAIServing, ServingConfig
+from services.sampling_params import InvalidRequestError
+from services.scheduler.output import TokenLogprobs
+from services.scheduler.request_output import CompletionOutput, RequestOutput
+
+MODEL = "tiny"
+MAX_LEN = 256
+
+
+class ScriptedEngine:
+    """Emits a fixed text one token per step; records what was aborted."""
+
+    def __init__(self, tokenizer, delay: float = 0.0):
+        self.tokenizer = tokenizer
+        self.words = tokenizer.encode(" alpha beta gamma delta epsilon zeta eta theta iota kappa" * 4)
+        self.delay = delay
+        self.healthy = True
+        self.fail_at: int | None = None
+        self.aborted: list[str] = []
+        self.active: set[str] = set()
+
+    async def generate(self, rid, prompt, params):
+        if max(prompt) >= 49152:
+            raise InvalidRequestError("prompt", "token id outside the vocabulary")
+        self.active.add(rid)
+        try:
+            for step in range(1, params.max_tokens + 1):
+                await asyncio.sleep(self.delay)
+                if self.fail_at is not None and step >= self.fail_at:
+                    yield RequestOutput(rid, prompt, [CompletionOutput(0, "", [], "error")], True, error="boom")
+                    return
+                ids = self.words[:step]
+                done = step == params.max_tokens
+                lps = [TokenLogprobs(-0.1, [ids[0], 5], [-0.1, -2.0])] * step if params.logprobs is not None else None
+                outs = [CompletionOutput(i, self.tokenizer.decode(ids), ids, "length" if done else None, None, lps)
+                        for i in range(params.n)]
+                yield RequestOutput(rid, prompt, outs, done, num_cached_tokens=16)
+        finally:
+            self.active.discard(rid)
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+@pytest.fixture
+def api(smol_tokenizer):
+    engine = ScriptedEngine(smol_tokenizer)
+    serving = OpenAIServing(engine, smol_tokenizer, ServingConfig(MODEL, MAX_LEN, max_body_bytes=1 << 20),
+                            SchedulerMetrics(lambda: None))
+    app = create_replica_app(serving, SchedulerMetrics(lambda: None), lambda: {"healthy": engine.healthy})
+    with AppServer(app) as server:
+        yield engine, server.url
+
+
+def test_openai_client_completions_chat_stream_n_logprobs_usage(api):
+    engine, url = api
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, n=2, logprobs=2)
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert c.choices[0].text == " alpha beta gamma" and c.choices[0].finish_reason == "length"
+    assert len(c.choices[0].logprobs.tokens) == 3 and c.choices[0].logprobs.text_offset[0] == 0
+    assert c.usage.completion_tokens == 6 and c.usage.prompt_tokens_details.cached_tokens == 16
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, logprobs=True, top_logprobs=1)
+    assert chat.choices[0].message.content == " alpha beta"
+    assert chat.choices[0].logprobs.content[1].token == " beta"
+
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == " alpha beta gamma delta"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+    comp_stream = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
+    by_index: dict[int, str] = {}
+    for ch in comp_stream:
+        for choice in ch.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + choice.text
+    assert by_index == {0: " alpha beta", 1: " alpha beta"}
+    assert client.models.list().data[0].id == MODEL
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**15}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 400}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_input_is_a_4xx_error_object(api, path, body, status, param):
+    _, url = api
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = httpx.post(url + path, timeout=10, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert err["param"] == param, err
+
+
+def test_huge_body_is_413_and_other_requests_are_unaffected(api):
+    _, url = api
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (10 << 20) + b'"}'
+    r = httpx.post(url + "/v1/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=10)
+    assert ok.status_code == 200
+    assert httpx.get(url + "/nope", timeout=10).json()["error"]["type"] == "not_found_error"
+
+
+def test_engine_failure_is_503_before_first_byte_and_an_error_event_after(api):
+    engine, url = api
+    engine.fail_at = 1
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_error"
+    engine.fail_at = 3
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError):
+        list(client.completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True))
+    engine.healthy = False
+    assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+
+def test_client_disconnect_aborts_the_engine_request(api):
+    engine, url = api
+    engine.delay = 0.05
+    with httpx.stream("POST", url + "/v1/completions", timeout=10,
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break
+    deadline = time.monotonic() + 5
+    while engine.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.active and len(engine.aborted) == 1
+
+    async def leave_early():
+        async with httpx.AsyncClient(timeout=10) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(url + "/v1/completions", timeout=0.3,
+                             json={"model": MODEL, "prompt": "x", "max_tokens": 200})
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 5
+    while engine.active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.active and len(engine.aborted) == 2

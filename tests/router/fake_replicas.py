@@ -1,0 +1,88 @@
+"""Stand-in schedulers for router tests: real HTTP servers that report who answered and what they got,
+registered in a real Redis through the scheduler's own registry writer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from conftest import AppServer
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.block_hash import model_hash_seed
+from services.registry.model import BlockDelta, ReplicaInfo, ReplicaLoad, ReplicaState
+from services.registry.redis_sink import RedisSink, connect
+
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK = 16
+SEED = model_hash_seed(MODEL, BLOCK)
+
+
+def replica_app(name: str, seen: list) -> FastAPI:
+    app = FastAPI()
+    app.state.mode = "ok"  # "ok" | "500" | "slow"
+
+    async def answer(request: Request):
+        body = await request.json()
+        seen.append(body)
+        if app.state.mode == "500":
+            return JSONResponse({"error": {"message": "engine down"}}, status_code=503)
+        if app.state.mode == "slow":
+            await asyncio.sleep(0.5)
+        if body.get("stream"):
+            async def events():
+                for i in range(3):
+                    yield "data: " + json.dumps({"replica": name, "i": i}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"replica": name, "prompt_token_ids": body.get("prompt_token_ids")}
+
+    app.post("/v1/completions")(answer)
+    app.post("/v1/chat/completions")(answer)
+    return app
+
+
+class FakeReplicas:
+    """N fake replicas serving HTTP; their registry records are written as a scheduler would."""
+
+    def __init__(self, redis_url: str, names: list[str], capacity: int = 8):
+        self.redis_url = redis_url
+        self.seen: dict[str, list] = {n: [] for n in names}
+        self.apps = {n: replica_app(n, self.seen[n]) for n in names}
+        self.servers = {n: AppServer(self.apps[n]) for n in names}
+        self.capacity = capacity
+
+    def __enter__(self) -> FakeReplicas:
+        for s in self.servers.values():
+            s.__enter__()
+        for n in self.servers:
+            self.publish(n, ReplicaLoad())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s in self.servers.values():
+            s.__exit__()
+
+    def info(self, name: str, url: str | None = None) -> ReplicaInfo:
+        return ReplicaInfo(replica_id=name, url=url or self.servers[name].url, model=MODEL, block_size=BLOCK,
+                           max_model_len=2048, capacity=self.capacity, hash_seed=SEED)
+
+    def _run(self, fn) -> None:
+        async def go():
+            client = connect(self.redis_url)
+            try:
+                await fn(RedisSink(client))
+            finally:
+                await client.aclose()
+
+        asyncio.run(go())
+
+    def publish(self, name: str, load: ReplicaLoad, url: str | None = None) -> None:
+        self._run(lambda sink: sink.write_state(ReplicaState(self.info(name, url), load), ttl=60))
+
+    def store_blocks(self, name: str, hashes: list[int]) -> None:
+        self._run(lambda sink: sink.write_blocks(name, BlockDelta(stored=set(hashes)), ttl=60))
+
+    def who(self) -> dict[str, int]:
+        return {n: len(v) for n, v in self.seen.items()}

@@ -1,0 +1,178 @@
+"""The router against real Redis and real HTTP replicas (scripted ones: routing, not generation, is
+under test here): prefix affinity, agreement between routers, hot-spot guard, retries, API keys,
+queueing with 429, Redis outages, policies and bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+from conftest import AppServer, free_port
+from fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
+
+from services.block_hash import hash_blocks
+from services.model_source import resolve_model
+from services.registry.model import ReplicaLoad
+from services.registry.redis_sink import connect
+from services.router.app import create_router_app
+from services.router.auth import ApiKeys
+from services.router.prompt_tokenizer import PromptTokenizer
+from services.router.redis_index import RedisIndex
+from services.router.service import RouterConfig, RouterService
+
+SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return PromptTokenizer(resolve_model(None))
+
+
+def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
+                max_queue: int = 16) -> AppServer:
+    config = RouterConfig(model_name=MODEL, max_model_len=2048, block_size=BLOCK, hash_seed=SEED, policy=policy,
+                          max_queue=max_queue, request_timeout=10.0)
+    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url)), ApiKeys(keys or []))
+    return AppServer(create_router_app(service))
+
+
+def chat(url: str, question: str, system: str = SYSTEM, **kw) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=20, **kw)
+
+
+def chat_hashes(tokenizer, question: str, system: str = SYSTEM) -> tuple[list[int], list[int]]:
+    ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return ids, hash_blocks(ids, BLOCK, SEED)
+
+
+def test_router_tokenizer_matches_transformers(tokenizer, smol_tokenizer):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Ünïcode ✓"}]
+    assert tokenizer.apply_chat_template(msgs) == smol_tokenizer.apply_chat_template(msgs)
+    assert tokenizer.apply_chat_template(msgs[1:2]) == smol_tokenizer.apply_chat_template(msgs[1:2])
+    assert tokenizer.encode("plain text") == smol_tokenizer.encode("plain text")
+
+
+def test_prefix_affinity_token_ids_forwarded_and_two_routers_agree(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a", "b", "c"]) as fakes, \
+            make_router(tokenizer, redis_server.url) as r1, make_router(tokenizer, redis_server.url) as r2:
+        ids, hashes = chat_hashes(tokenizer, "Where is parcel 1?")
+        fakes.store_blocks("b", hashes[:-1])
+        resp = chat(r1.url, "Where is parcel 1?")
+        assert resp.status_code == 200 and resp.headers["x-pagedserve-replica"] == "b"
+        assert resp.json()["prompt_token_ids"] == ids  # tokenized once, by the router
+
+        # A prefix nobody caches yet: both routers pick the same replica, also before it publishes blocks.
+        other = "You route container ships across the Pacific. " * 12
+        first = chat(r1.url, "Q1", system=other).headers["x-pagedserve-replica"]
+        for i in range(4):
+            assert chat(r2.url, f"Q{i + 2}", system=other).headers["x-pagedserve-replica"] == first
+            assert chat(r1.url, f"Q{i + 9}", system=other).headers["x-pagedserve-replica"] == first
+
+        # Hot-spot guard: the replica with the prefix is far busier than the others; load wins.
+        fakes.publish("b", ReplicaLoad(num_running=8, num_waiting=4))
+        assert chat(r2.url, "Where is parcel 2?").headers["x-pagedserve-replica"] != "b"
+        # Unhealthy (engine down) replicas get nothing.
+        fakes.publish("b", ReplicaLoad(healthy=False))
+        fakes.store_blocks("a", hashes[:-1])
+        fakes.publish("a", ReplicaLoad(healthy=False))
+        assert chat(r1.url, "Where is parcel 3?").headers["x-pagedserve-replica"] == "c"
+        metrics = httpx.get(r1.url + "/metrics").text
+        assert 'pagedserve_router_routing_decisions_total{policy="prefix",replica="b"}' in metrics
+        assert "pagedserve_router_healthy_replicas 1.0" in metrics
+
+
+def test_retry_on_dead_or_failing_replica_then_clear_error(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a", "b"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        _, hashes = chat_hashes(tokenizer, "retry me")
+        fakes.publish("a", ReplicaLoad(), url=f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        fakes.store_blocks("a", hashes)
+        resp = chat(r.url, "retry me")
+        assert resp.status_code == 200 and resp.headers["x-pagedserve-replica"] == "b"
+        fakes.apps["b"].state.mode = "500"
+        resp = chat(r.url, "retry me")
+        assert resp.status_code == 503 and "no replica could serve" in resp.json()["error"]["message"]
+        metrics = httpx.get(r.url + "/metrics").text
+        assert "pagedserve_router_retries_total 2.0" in metrics
+        assert 'pagedserve_router_requests_total{status="503"} 1.0' in metrics
+
+
+def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# comment\nsk-one\n")
+    keys = ApiKeys.from_sources(str(keys_file), "sk-two")
+    with FakeReplicas(redis_server.url, ["a"]):
+        config = RouterConfig(MODEL, 2048, BLOCK, SEED)
+        service = RouterService(config, tokenizer, RedisIndex(connect(redis_server.url)), keys)
+        with AppServer(create_router_app(service)) as r:
+            assert chat(r.url, "x").status_code == 401
+            bad = chat(r.url, "x", headers={"authorization": "Bearer sk-three"})
+            assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+            assert chat(r.url, "x", headers={"authorization": "Bearer sk-two"}).status_code == 200
+            body = {"model": MODEL, "prompt": "hello", "stream": True}
+            with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=10,
+                              headers={"authorization": "Bearer sk-one"}) as resp:
+                assert resp.headers["x-pagedserve-replica"] == "a"
+                lines = [x for x in resp.iter_lines() if x.startswith("data:")]
+            assert lines[-1] == "data: [DONE]" and len(lines) == 4
+
+
+def test_saturated_replicas_queue_then_429(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a"], capacity=1) as fakes, \
+            make_router(tokenizer, redis_server.url, max_queue=1) as r:
+        fakes.publish("a", ReplicaLoad(num_running=1, num_waiting=1))  # saturated: 2 x capacity
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            queued = pool.submit(chat, r.url, "queued")
+            time.sleep(0.3)
+            rejected = chat(r.url, "over the bound")
+            assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+            assert "pagedserve_router_queue_depth 1.0" in httpx.get(r.url + "/metrics").text
+            assert not queued.done()
+            fakes.publish("a", ReplicaLoad(num_running=1))  # room again
+            assert queued.result(10).status_code == 200
+
+
+def test_redis_down_routes_on_load_and_recovers(tokenizer, private_redis):
+    with FakeReplicas(private_redis.url, ["a", "b"]), make_router(tokenizer, private_redis.url) as r:
+        assert chat(r.url, "before").status_code == 200
+        private_redis.stop()
+        answered = {chat(r.url, f"during {i}").status_code for i in range(4)}
+        assert answered == {200}
+        private_redis.start()
+        # Redis came back empty: until the replicas' publishers re-register, the last view still serves.
+        assert chat(r.url, "after").status_code == 200
+
+
+def test_round_robin_and_session_policies(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a", "b", "c"]), \
+            make_router(tokenizer, redis_server.url, policy="round-robin") as rr, \
+            make_router(tokenizer, redis_server.url, policy="session") as ss:
+        assert sorted(chat(rr.url, "same").headers["x-pagedserve-replica"] for _ in range(3)) == ["a", "b", "c"]
+        for session in ("alice", "bob", "carol"):
+            got = {chat(ss.url, f"q{i}", headers={"x-session-id": session}).headers["x-pagedserve-replica"]
+                   for i in range(3)}
+            assert len(got) == 1
+
+
+@pytest.mark.parametrize("body,status", [
+    (b"{oops", 400),
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ({"model": MODEL}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": ["x"]}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400),
+])
+def test_bad_input_never_reaches_a_replica(tokenizer, redis_server, body, status):
+    with FakeReplicas(redis_server.url, ["a"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        resp = httpx.post(r.url + "/v1/chat/completions", timeout=10, **kwargs)
+        assert resp.status_code == status and resp.json()["error"]["message"]
+        big = httpx.post(r.url + "/v1/completions", content=b"x" * (10 << 20), timeout=30)
+        assert big.status_code == 413
+        assert fakes.who() == {"a": 0}
+        assert chat(r.url, "fine").status_code == 200
