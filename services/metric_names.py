@@ -1,0 +1,54 @@
+"""Names of every Prometheus metric the services export, in one place.
+
+The scheduler and router register their metrics under these names, and everything outside the
+services that names a metric (the Helm chart's HPA and KEDA trigger, the Prometheus adapter rules,
+the Grafana dashboard) is checked against them by tests/charts, so a renamed metric breaks a test
+instead of silently breaking autoscaling in production.
+"""
+
+from __future__ import annotations
+
+# --- scheduler (one per model replica) ---
+REQUESTS_WAITING = "pagedserve_requests_waiting"  # gauge: queued, not yet scheduled; the autoscaling signal
+REQUESTS_RUNNING = "pagedserve_requests_running"  # gauge: in the running batch
+KV_CACHE_USAGE_RATIO = "pagedserve_kv_cache_usage_ratio"  # gauge in [0, 1]: used KV blocks / all blocks
+PREFIX_CACHE_QUERIES = "pagedserve_prefix_cache_queries_total"  # counter, tokens looked up
+PREFIX_CACHE_HITS = "pagedserve_prefix_cache_hits_total"  # counter, tokens found cached
+PREEMPTIONS = "pagedserve_preemptions_total"  # counter
+PROMPT_TOKENS = "pagedserve_prompt_tokens_total"  # counter
+GENERATION_TOKENS = "pagedserve_generation_tokens_total"  # counter
+TIME_TO_FIRST_TOKEN = "pagedserve_time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = "pagedserve_inter_token_latency_seconds"  # histogram
+E2E_REQUEST_LATENCY = "pagedserve_e2e_request_latency_seconds"  # histogram
+
+# --- router ---
+ROUTER_REQUESTS = "pagedserve_router_requests_total"  # counter, label status (HTTP code)
+ROUTER_UPSTREAM_ERRORS = "pagedserve_router_upstream_errors_total"  # counter
+ROUTER_RETRIES = "pagedserve_router_retries_total"  # counter
+ROUTER_QUEUE_DEPTH = "pagedserve_router_queue_depth"  # gauge: requests waiting for a free replica
+ROUTER_PREFIX_MATCH_RATIO = "pagedserve_router_prefix_match_ratio"  # histogram: share of prompt cached
+ROUTER_HEALTHY_REPLICAS = "pagedserve_router_healthy_replicas"  # gauge
+ROUTER_ROUTING_DECISIONS = "pagedserve_router_routing_decisions_total"  # counter, labels policy, replica
+
+# The per-pod metric the HorizontalPodAutoscaler averages (through the Prometheus adapter).
+AUTOSCALING_METRIC = REQUESTS_WAITING
+
+SCHEDULER_METRICS = frozenset({
+    REQUESTS_WAITING, REQUESTS_RUNNING, KV_CACHE_USAGE_RATIO, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+    PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY,
+})
+ROUTER_METRICS = frozenset({
+    ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_PREFIX_MATCH_RATIO,
+    ROUTER_HEALTHY_REPLICAS, ROUTER_ROUTING_DECISIONS,
+})
+HISTOGRAMS = frozenset({TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, ROUTER_PREFIX_MATCH_RATIO})
+ALL_METRICS = SCHEDULER_METRICS | ROUTER_METRICS
+
+
+def exported_series_names() -> frozenset[str]:
+    """Every series name a Prometheus scrape can show: histograms add _bucket, _sum and _count."""
+    names = set(ALL_METRICS)
+    for hist in HISTOGRAMS:
+        names.update((hist + "_bucket", hist + "_sum", hist + "_count"))
+    return frozenset(names)
