@@ -1,8 +1,66 @@
 """Paged-attention kernels: Triton versions for CUDA and PyTorch references (the CPU backend).
 
-Public API: write_kv, decode_attention, prefill_attention and their *_ref twins, same signatures.
+Public API: write_kv, decode_attention, prefill_attention and their *_ref twins, same signatures. The
+engine calls the Triton versions on CUDA tensors and the references on CPU tensors.
+
+Importing this package never imports Triton: the engine imports it on CPU-only machines, and Triton
+must see TRITON_INTERPRET before its kernels are defined. Each Triton entry point imports its module
+on first call.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
 
 from kernels.reference import decode_attention_ref, prefill_attention_ref, write_kv_ref
 
-__all__ = ["decode_attention_ref", "prefill_attention_ref", "write_kv_ref"]
+
+def triton_available() -> bool:
+    """Triton installed? The kernels then run on CUDA, or on the CPU under TRITON_INTERPRET=1."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _launcher(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(f"kernels.{module}"), name)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ModuleNotFoundError(f"kernels.{name} needs Triton (pip install 'pagedserve[triton]'); "
+                                  f"on the CPU call kernels.{name}_ref", name="triton") from e
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values `[num_tokens, num_kv_heads, head_dim]` into their slots; slot -1 is skipped."""
+    _launcher("triton_write_kv", "write_kv")(k, v, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA, split-KV).
+
+    Returns `[num_seqs, num_q_heads, head_dim]`; see `decode_attention_ref`.
+    """
+    launch = _launcher("triton_decode", "decode_attention")
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Chunked prefill over paged KV, causal within each sequence.
+
+    Returns `[num_tokens, num_q_heads, head_dim]`; see `prefill_attention_ref`.
+    """
+    launch = _launcher("triton_prefill", "prefill_attention")
+    return launch(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+__all__ = [
+    "decode_attention", "decode_attention_ref", "prefill_attention", "prefill_attention_ref",
+    "triton_available", "write_kv", "write_kv_ref",
+]

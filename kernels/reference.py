@@ -2,7 +2,8 @@
 
 KV layout per layer: `k_cache`, `v_cache` shaped `[num_blocks, block_size, num_kv_heads, head_dim]`;
 token slot = `block_id * block_size + offset`. Written with batched tensor ops (no Python loop over
-decode sequences) because on the CPU this *is* the production path.
+decode sequences) because on the CPU this *is* the production path. Inputs are checked as the Triton
+launchers check them (kernels.checks), except for value checks that would cost an extra pass here.
 """
 
 from __future__ import annotations
@@ -10,13 +11,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.checks import (
+    check_context_fits,
+    check_decode,
+    check_prefill,
+    check_query_layout,
+    check_slots,
+    check_write_kv,
+)
+
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values `[num_tokens, num_kv_heads, head_dim]` into their slots; slot -1 is skipped."""
+    check_write_kv("kernels.write_kv_ref", k, v, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
+        # Checked only here, where padding is present: -1 is padding, anything lower is a bug upstream.
+        # (A slot past the cache makes index_copy_ raise.)
+        check_slots("kernels.write_kv_ref", int(slots.min()), -1, k_cache)
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
@@ -32,13 +46,17 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence over its paged context (GQA). Returns `[num_seqs, num_q_heads, head_dim]`."""
+                         block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context (GQA): `[num_seqs, num_q_heads, head_dim]`."""
+    op = "kernels.decode_attention_ref"
+    check_decode(op, q, k_cache, v_cache, block_tables, context_lens, scale)
     num_seqs, num_q_heads, head_dim = q.shape
     if num_seqs == 0:
         return q.new_empty(q.shape)
     block_size = k_cache.shape[1]
-    max_len = int(context_lens.max())
+    min_len, max_len = (int(x) for x in torch.aminmax(context_lens))
+    check_context_fits(op, min_len, max_len, block_tables, block_size)
     num_blocks = (max_len + block_size - 1) // block_size
     k = _gather(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, kvh, L, d]
     v = _gather(v_cache, block_tables, num_blocks).transpose(1, 2)
@@ -58,12 +76,18 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Chunked prefill over paged KV: sequence s's last `q_len_s` of `context_lens[s]` positions are new.
 
     Each new token attends causally to every earlier position of its sequence (cached blocks and the
-    chunk itself), whose keys and values are already in the cache. Returns `[num_tokens, num_q_heads, head_dim]`.
+    chunk itself), whose keys and values are already in the cache.
+    Returns `[num_tokens, num_q_heads, head_dim]`.
     """
+    op = "kernels.prefill_attention_ref"
+    check_prefill(op, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     block_size = k_cache.shape[1]
+    check_query_layout(op, starts, lens, q.shape[0])
+    if lens:
+        check_context_fits(op, min(lens), max(lens), block_tables, block_size, min_allowed=0)
     num_q_heads = q.shape[1]
     for s in range(len(lens)):
         q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]

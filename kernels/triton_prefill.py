@@ -1,0 +1,136 @@
+"""Chunked-prefill paged attention (any number of new tokens per sequence, decode included), and its launcher.
+
+Grid (num_seqs, query tiles, num_kv_heads). A program's rows are BLOCK_Q new tokens times the query
+heads of one KV-head group (row r: token r // BLOCK_G, head r % BLOCK_G), so K/V tiles are read once per
+group. Sequence s's new tokens are its last q_len_s positions: token i sits at position
+context_len - q_len + i and sees positions 0..itself, cached blocks and the chunk alike (its own keys
+and values are already in the cache). A program stops at the last position its newest token sees.
+A decode token is the case q_len = 1; the split-KV decode kernel is faster for that, because here a
+long context is never split across programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import triton_common
+from kernels.checks import check_context_fits, check_prefill, check_query_layout, check_strides
+from kernels.triton_attend import attend_range
+from kernels.triton_common import check_device, check_tile, device_guard, dot_precision, next_pow2, num_sms
+
+OP = "kernels.prefill_attention"
+LOG2E = 1.4426950408889634
+DEFAULT_TILE_N = 64
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc_ptr, context_lens_ptr,
+                    out_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    stride_table, stride_ot, stride_oh,
+                    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:  # the grid is sized for the longest chunk
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    token = q_tile * BLOCK_Q + r // BLOCK_G
+    g = r % BLOCK_G
+    head = kv_head * QUERIES_PER_KV + g
+    row_mask = ((token < q_len) & (g < QUERIES_PER_KV))[:, None] & (d < HEAD_DIM)[None, :]
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_mask, other=0.0)
+    q_pos = context_len - q_len + token
+    # The tile's newest token is the last position any row here sees.
+    n_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
+
+    acc, _, l_i = attend_range(q, q_pos, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+                               tables_ptr + seq * stride_table, 0, n_end, qk_scale,
+                               stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_Q * BLOCK_G,
+                               BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION)
+    # Every valid row sees at least position 0, so l_i > 0 there; padding rows are not stored.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def choose_block_m(num_seqs: int, max_q_len: int, num_kv_heads: int, block_g: int, sms: int) -> int:
+    """Rows per program: 128 while that still gives every multiprocessor a program, else 64."""
+    programs = num_seqs * triton.cdiv(max_q_len, max(1, 128 // block_g)) * num_kv_heads
+    return 128 if programs >= sms else 64
+
+
+def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, *, block_m: int | None = None,
+                           tile_n: int = DEFAULT_TILE_N, num_warps: int = 4,
+                           num_stages: int | None = None) -> Callable[[], torch.Tensor]:
+    """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
+
+    Split from the launch so the benchmark can time the kernel alone; the keyword-only knobs are for
+    tests and the benchmark.
+    """
+    check_prefill(OP, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    check_device(OP, q)
+    check_strides(OP, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                  query_start_loc=query_start_loc, context_lens=context_lens)
+    check_tile(OP, tile_n)
+    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+        raise ValueError(f"{OP}: block_m must be a power of two >= 16, got {block_m}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = context_lens.shape[0]
+    out = triton_common.alloc((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
+    # The one host read per call: the grid needs the longest chunk, and the checks need every offset.
+    host = torch.cat([query_start_loc.long(), context_lens.long()]).tolist()
+    starts, lens = host[:num_seqs + 1], host[num_seqs + 1:]
+    check_query_layout(OP, starts, lens, num_tokens)
+    if num_seqs:
+        check_context_fits(OP, min(lens), max(lens), block_tables, block_size, min_allowed=0)
+    if out.numel() == 0:
+        return lambda: out
+    max_q_len = max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True))
+
+    queries_per_kv = num_q_heads // num_kv_heads
+    block_g = next_pow2(queries_per_kv)
+    if block_m is None:
+        block_m = choose_block_m(num_seqs, max_q_len, num_kv_heads, block_g, num_sms(q.device))
+    block_q = max(1, block_m // block_g)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads)
+
+    def run() -> torch.Tensor:
+        with device_guard(q):
+            _prefill_kernel[grid](
+                q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, float(scale) * LOG2E,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+                out.stride(0), out.stride(1),
+                QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+                BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE_N=tile_n,
+                DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, **extra,
+            )
+        return out
+
+    return run
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float, **knobs) -> torch.Tensor:
+    """Triton twin of `prefill_attention_ref` (knobs: see `plan_prefill_attention`)."""
+    return plan_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                  **knobs)()
