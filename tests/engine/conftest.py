@@ -1,0 +1,66 @@
+"""Engine fixtures: tiny random models of each supported architecture, and the real SmolLM2 in float32."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services.model_source import resolve_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def make_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
+    """A 2-layer random model with SmolLM2's tokenizer. Weights are drawn wide (std 0.2) so greedy
+    choices are not near-ties that rounding could flip."""
+    import torch
+    import transformers
+
+    src = resolve_model(None)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, initializer_range=0.2,
+                  eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
+    common.update(overrides)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    config = cls[0](**common)
+    torch.manual_seed(1234)
+    model = cls[1](config).to(torch.float32).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    from services import LLM
+
+    return LLM(dtype="float32", num_kv_blocks=2048)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model(None)), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
