@@ -73,13 +73,15 @@ REQUEST_TIMEOUT = Option("--request-timeout", "seconds before an upstream reques
                          default=600.0)
 DRAIN_TIMEOUT = Option("--drain-timeout", "seconds to finish in-flight requests after SIGTERM before exiting",
                        type=float, default=30.0)
+ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
+                        type=float, default=120.0)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, LOG_LEVEL)
 _SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
-                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, LOG_LEVEL)
+                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT, LOG_LEVEL)
 ROUTER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, BLOCK_SIZE, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS,
                   DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, MAX_BODY_BYTES, REQUEST_TIMEOUT,
                   DRAIN_TIMEOUT, LOG_LEVEL)

@@ -43,11 +43,15 @@ class ReplicaPublisher:
         self._last_beat = 0.0
         self._failing = False
         self._stopped = asyncio.Event()
+        self._lock = asyncio.Lock()  # close() must not race a tick that would re-register the replica
 
     async def run(self) -> None:
         while not self._stopped.is_set():
             try:
-                await self.tick()
+                async with self._lock:
+                    if self._stopped.is_set():
+                        break
+                    await self.tick()
             except Exception as exc:
                 if not self._failing:
                     log.warning("registry unreachable for replica %s (%s: %s); retrying, will resync",
@@ -89,7 +93,8 @@ class ReplicaPublisher:
     async def close(self) -> None:
         self._stopped.set()
         try:
-            await self.sink.remove_replica(self.info.replica_id)
+            async with self._lock:
+                await self.sink.remove_replica(self.info.replica_id)
         except Exception as exc:  # shutting down anyway; the record's TTL cleans up
             log.warning("could not deregister replica %s: %s", self.info.replica_id, exc)
 

@@ -74,6 +74,13 @@ class RemoteExecutor:
         except (EngineUnavailableError, EngineOpError):
             return False
 
+    def probe(self, timeout: float = 1.0) -> str | None:
+        """The instance id of the engine answering now, or None if none answers (restart detection)."""
+        try:
+            return self._call("health", None, timeout, check_instance=False, want_instance=True)
+        except (EngineUnavailableError, EngineOpError):
+            return None
+
     def close(self) -> None:
         with self._lock:
             self._sock.disable_monitor()
@@ -97,7 +104,7 @@ class RemoteExecutor:
                     raise
                 time.sleep(0.2)
 
-    def _call(self, op: str, body, timeout: float, check_instance: bool = True):
+    def _call(self, op: str, body, timeout: float, check_instance: bool = True, want_instance: bool = False):
         with self._lock:
             self._drain_monitor()  # disconnects from before this call are history, not this call's fate
             rid = next(self._ids)
@@ -119,7 +126,8 @@ class RemoteExecutor:
                 reply = decode_reply(self._sock.recv())
                 if reply.id != rid:
                     continue  # the late answer to a call that already timed out
-                return self._accept(op, reply, check_instance)
+                result = self._accept(op, reply, check_instance)
+                return reply.instance if want_instance else result
 
     def _accept(self, op: str, reply, check_instance: bool):
         if op == "handshake":

@@ -1,0 +1,70 @@
+"""Assembling one replica's service: engine core over an executor, async engine, HTTP app, publisher.
+
+Shared by `pagedserve scheduler` (remote engine, Redis registry) and `pagedserve serve` (in-process
+engine, in-memory registry), so both run the same code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from services.api.app import create_replica_app
+from services.api.metrics import SchedulerMetrics
+from services.api.replica import Replica
+from services.api.serving import OpenAIServing, ServingConfig
+from services.registry.model import RegistrySink, ReplicaInfo
+from services.registry.publisher import ReplicaPublisher
+
+
+@dataclass
+class ReplicaSettings:
+    served_model_name: str | None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass
+class ReplicaService:
+    replica: Replica
+    app: FastAPI
+    model_name: str
+    max_model_len: int
+
+    def publisher(self, sink: RegistrySink, replica_id: str, url: str, capacity: int,
+                  heartbeat_interval: float) -> ReplicaPublisher:
+        core = self.replica.core
+        info = ReplicaInfo(replica_id=replica_id, url=url, model=self.model_name, block_size=core.info.block_size,
+                           max_model_len=self.max_model_len, capacity=capacity, hash_seed=core.hash_seed)
+        pub = ReplicaPublisher(sink, info, self.replica, heartbeat_interval)
+        self.replica.on_engine_reset.append(pub.reset_blocks)
+        return pub
+
+
+def build_replica(executor, model_dir: str | Path, settings: ReplicaSettings) -> ReplicaService:
+    """Handshake with the engine (through `executor`) and build the replica on top of it."""
+    from services.scheduler.async_engine import AsyncEngine
+    from services.scheduler.engine_core import EngineCore
+    from services.tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer(model_dir)
+    core = EngineCore(executor, tokenizer, max_num_seqs=settings.max_num_seqs,
+                      max_num_batched_tokens=settings.max_num_batched_tokens,
+                      enable_prefix_caching=settings.enable_prefix_caching, max_model_len=settings.max_model_len,
+                      collect_kv_events=True)
+    replica = Replica(core, AsyncEngine(core), executor)
+    model_name = settings.served_model_name or core.info.model_id
+    metrics = SchedulerMetrics(replica.stats)
+    serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes),
+                            metrics)
+
+    def health() -> dict:
+        return {"healthy": replica.healthy, "model": model_name, "error": replica.last_error}
+
+    app = create_replica_app(serving, metrics, health)
+    return ReplicaService(replica, app, model_name, core.max_model_len)

@@ -1,0 +1,1 @@
+"""Entry points of the `pagedserve` subcommands: each module's `run(args)` starts one service."""

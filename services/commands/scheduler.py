@@ -1,0 +1,78 @@
+"""`pagedserve scheduler`: continuous batching for one remote engine, behind the OpenAI HTTP API.
+
+HTTP is up at once and answers 503 until the engine's handshake (it may still be loading weights),
+which is what Kubernetes' startup probe waits for. With --redis-url the replica registers itself,
+heartbeats its load and publishes its cached blocks for routers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from services.api.replica_service import ReplicaSettings, build_replica
+from services.api.server import StartingApp, make_server, run_servers
+from services.model_source import resolve_model
+from services.transport.remote_executor import RemoteExecutor
+
+log = logging.getLogger(__name__)
+
+ENGINE_STARTUP_TIMEOUT = 3600.0  # first start may convert a GGUF model; the startup probe bounds it anyway
+
+
+def default_advertise_url(host: str, port: int) -> str:
+    if host not in ("0.0.0.0", "::", ""):
+        return f"http://{host}:{port}"
+    try:
+        return f"http://{socket.gethostbyname(socket.gethostname())}:{port}"
+    except OSError:
+        return f"http://127.0.0.1:{port}"
+
+
+def replica_settings(args) -> ReplicaSettings:
+    return ReplicaSettings(served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
+                           max_body_bytes=args.max_body_bytes)
+
+
+def run(args) -> int:
+    asyncio.run(_main(args))
+    return 0
+
+
+async def _main(args) -> None:
+    model_dir = await asyncio.to_thread(resolve_model, args.model)
+    executor = RemoteExecutor(args.engine, timeout=args.engine_timeout)
+    starting = StartingApp("the engine is not ready yet")
+    server = make_server(starting, args.host, args.port, args.drain_timeout, args.log_level, lifespan="off")
+    publishers: list = []
+
+    async def leave_registry() -> None:
+        for pub in publishers:
+            await pub.close()
+
+    async def start_replica() -> None:
+        log.info("waiting for the engine at %s", args.engine)
+        await asyncio.to_thread(executor.wait_ready, ENGINE_STARTUP_TIMEOUT)
+        service = await asyncio.to_thread(build_replica, executor, model_dir, replica_settings(args))
+        starting.target = service.app
+        log.info("replica ready: model %s, %d KV blocks", service.model_name, service.replica.core.info.num_kv_blocks)
+        tasks = [service.replica.supervise()]
+        if args.redis_url:
+            from services.registry.redis_sink import RedisSink, connect
+
+            replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
+            url = args.advertise_url or default_advertise_url(args.host, args.port)
+            pub = service.publisher(RedisSink(connect(args.redis_url)), replica_id, url, args.max_num_seqs,
+                                    args.heartbeat_interval)
+            publishers.append(pub)
+            tasks.append(pub.run())
+            log.info("registered as %s at %s in %s", replica_id, url, args.redis_url)
+        await asyncio.gather(*tasks)
+
+    try:
+        await run_servers([server], [start_replica()], on_stop=[leave_registry])
+    finally:
+        executor.close()

@@ -1,0 +1,42 @@
+"""EndpointSlice discovery: only replicas whose pod is ready in the schedulers' Service are routable."""
+
+from __future__ import annotations
+
+from kubernetes.client import (
+    V1Endpoint,
+    V1EndpointConditions,
+    V1EndpointSlice,
+    V1ObjectMeta,
+    V1ObjectReference,
+)
+
+from services.registry.model import ReplicaInfo
+from services.router.k8s_discovery import EndpointSliceDiscovery
+
+
+def _slice(name: str, endpoints: list[tuple[str, str, bool | None]]) -> V1EndpointSlice:
+    return V1EndpointSlice(
+        address_type="IPv4", metadata=V1ObjectMeta(name=name),
+        endpoints=[V1Endpoint(addresses=[ip], conditions=V1EndpointConditions(ready=ready),
+                              target_ref=V1ObjectReference(kind="Pod", name=pod))
+                   for ip, pod, ready in endpoints])
+
+
+def _info(replica_id: str, ip: str) -> ReplicaInfo:
+    return ReplicaInfo(replica_id=replica_id, url=f"http://{ip}:8100", model="m", block_size=16,
+                       max_model_len=2048, capacity=8, hash_seed=1)
+
+
+def test_ready_endpoints_gate_replicas():
+    d = EndpointSliceDiscovery("schedulers", namespace="ns")
+    a, b, c = _info("pod-a", "10.0.0.1"), _info("pod-b", "10.0.0.2"), _info("pod-c", "10.0.0.3")
+    assert not d.allows(a), "nothing is routable before the first list"
+    d.replace_all([_slice("s1", [("10.0.0.1", "pod-a", True), ("10.0.0.2", "pod-b", False)]),
+                   _slice("s2", [("10.0.0.3", "pod-c", None)])])  # a missing condition means ready
+    assert d.synced and d.allows(a) and not d.allows(b) and d.allows(c)
+    d.apply("MODIFIED", _slice("s1", [("10.0.0.1", "pod-a", False), ("10.0.0.2", "pod-b", True)]))
+    assert not d.allows(a) and d.allows(b)
+    d.apply("DELETED", _slice("s2", []))
+    assert not d.allows(c)
+    # Matching by pod name too: a replica that advertises a DNS name is still found by its pod.
+    assert d.allows(ReplicaInfo("pod-b", "http://pod-b.schedulers:8100", "m", 16, 2048, 8, 1))
