@@ -111,7 +111,7 @@ def parse_documents(text: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def render(variant: str = "default", *extra: str) -> Rendered:
     """helm template of one variant; hook objects (helm test) kept apart from the release's objects."""
     result = helm(*template_args(variant, *extra))
