@@ -76,7 +76,7 @@ def choose_block_m(num_seqs: int, max_q_len: int, num_kv_heads: int, block_g: in
 def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, *, block_m: int | None = None,
-                           tile_n: int = DEFAULT_TILE_N, num_warps: int = 4,
+                           tile_n: int = DEFAULT_TILE_N, num_warps: int | None = None,
                            num_stages: int | None = None) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
@@ -109,6 +109,10 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_m is None:
         block_m = choose_block_m(num_seqs, max_q_len, num_kv_heads, block_g, num_sms(q.device))
     block_q = max(1, block_m // block_g)
+    block_d = max(16, next_pow2(head_dim))
+    if num_warps is None:
+        # A 128 x 128 float32 accumulator is 128 registers a thread over 4 warps: spread it over 8.
+        num_warps = 8 if block_q * block_g * block_d >= 128 * 128 else 4
     extra = {} if num_stages is None else {"num_stages": num_stages}
     grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads)
 
@@ -120,7 +124,7 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
                 out.stride(0), out.stride(1),
                 QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-                BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE_N=tile_n,
+                BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
                 DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, **extra,
             )
         return out
