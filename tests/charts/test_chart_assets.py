@@ -155,3 +155,40 @@ def test_make_images_builds_the_three_images_with_the_charts_tag():
     images = _chart_values()["images"]
     for service in SERVICES:
         assert images[service]["repository"] == f"pagedserve/{service}"
+
+
+def _exposed_series(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses():
+    """What /metrics of a scheduler and of a router really serve, not only the constants: their
+    exposition, rendered by the services' own metric classes after one request's observations."""
+    import dataclasses
+
+    from services.api.metrics import SchedulerMetrics
+    from services.router.metrics import RouterMetrics
+    from services.scheduler.request_output import SchedulerStats
+
+    stats = SchedulerStats(**{f.name: 1 for f in dataclasses.fields(SchedulerStats) if f.init})
+    scheduler = SchedulerMetrics(lambda: stats)
+    timer = scheduler.timer()
+    timer.tokens_now(1)
+    timer.tokens_now(3)
+    timer.finished()
+    router = RouterMetrics()
+    router.requests.labels("200").inc()
+    router.decisions.labels("prefix", "replica-0").inc()
+    exported = _exposed_series(scheduler.render()[0].decode()) | _exposed_series(router.render()[0].decode())
+
+    assert M.AUTOSCALING_METRIC in _exposed_series(scheduler.render()[0].decode())
+    adapter = yaml.safe_load((K8S / "prometheus-adapter-rules.yaml").read_text())
+    cluster_side = {n for rule in adapter["rules"]["custom"] for n in _METRIC.findall(rule["seriesQuery"])}
+    keda = parse_documents(helm("template", "llm", str(CHART), "-f", str(K8S / "keda" / "values.yaml"),
+                                check=True).stdout)
+    cluster_side |= {n for o in keda if o["kind"] == "ScaledObject"
+                     for n in _METRIC.findall(o["spec"]["triggers"][0]["metadata"]["query"])}
+    dashboard = json.loads((K8S / "grafana" / "pagedserve-dashboard.json").read_text())
+    cluster_side |= {n for exprs in _dashboard_exprs(dashboard).values() for e in exprs for n in _METRIC.findall(e)}
+    missing = cluster_side - exported
+    assert not missing, f"named outside the services but not exported on /metrics: {sorted(missing)}"
