@@ -71,7 +71,7 @@ Image reference. Call with (dict "ctx" $ "image" .Values.images.router "prefix" 
 {{- end }}
 
 {{- define "pagedserve.imagePullSecrets" -}}
-{{- with .Values.images.pullSecrets }}
+{{- with .Values.images.pullSecrets -}}
 imagePullSecrets:
 {{- range . }}
   - name: {{ . }}
