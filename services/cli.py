@@ -63,6 +63,24 @@ def _add_bench(sub) -> None:
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
     t.set_defaults(handler="services.bench.throughput:run")
+    r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
+    r.add_argument("--replicas", type=int, default=3)
+    r.add_argument("--groups", type=int, default=8, help="distinct system prompts")
+    r.add_argument("--questions", type=int, default=12, help="user questions per system prompt")
+    r.add_argument("--system-tokens", type=int, default=400, help="approximate system prompt length")
+    r.add_argument("--concurrency", type=int, default=4, help="concurrent clients")
+    r.add_argument("--max-tokens", type=int, default=8)
+    r.add_argument("--model", default=None)
+    r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--kv-cache-memory", default="256M", help="per replica")
+    r.add_argument("--max-num-seqs", type=int, default=16)
+    r.add_argument("--port", type=int, default=8000, help="router port of the clusters")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(handler="services.bench.routing:run_routing")
+    o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler")
+    o.add_argument("--requests", type=int, default=500)
+    o.set_defaults(handler="services.bench.routing:run_overhead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: per-request noise (and cost) on the router's hot path.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     return int(handler(args) or 0)

@@ -48,9 +48,11 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    quiet: bool = False  # drop its stdout (redis-server's banner)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
+                                     stdout=subprocess.DEVNULL if self.quiet else None)
 
     @property
     def alive(self) -> bool:
@@ -111,7 +113,7 @@ class LocalCluster:
                                  "--redis-url")
             port = free_port()
             self.redis = Child("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "no", "--loglevel", "warning"])
+                                         "--appendonly", "no", "--loglevel", "warning"], quiet=True)
             self.redis_url = f"redis://127.0.0.1:{port}/0"
         threads = str(max(1, (os.cpu_count() or 1) // self.num_replicas))
         for i in range(self.num_replicas):

@@ -3,11 +3,19 @@
 transformers imports torch, which would make every router pay seconds of start-up and hundreds of MB
 for a model it never runs. Rendering follows transformers' `apply_chat_template` (sandboxed Jinja,
 trim_blocks/lstrip_blocks, special tokens parsed, none added), so ids match the scheduler's.
+
+Rendered chats are encoded piecewise: the tokenizer splits its input at special tokens before anything
+else, so the text between two special tokens encodes the same alone, and those pieces (system prompts
+above all) repeat from request to request. A bounded cache of piece encodings takes the tokenizer off
+the router's hot path. The equivalence is checked at start-up and the cache disabled if it fails.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 
@@ -47,6 +55,48 @@ class PromptTokenizer:
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token",
                                                                   "pad_token")}
         self.vocab_size = self.fast.get_vocab_size()
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()  # long prompts are tokenized in worker threads
+        self._splitter = self._special_splitter()
+        if self._splitter is not None and not self._piecewise_matches():
+            self._splitter = None
+
+    _CACHE_PIECES = 4096
+
+    def _special_splitter(self) -> re.Pattern | None:
+        added = self.fast.get_added_tokens_decoder().values()
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added):
+            return None  # tokens that absorb neighbouring text: pieces would not encode independently
+        alternatives = sorted((t.content for t in added), key=len, reverse=True)
+        return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+
+    def _piecewise_matches(self) -> bool:
+        sample = [{"role": "system", "content": "Be precise. <|im_end|> is literal here"},
+                  {"role": "user", "content": "  Hello\n\nworld ✓ 12345"},
+                  {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": " trailing space "}]
+        text = self.render_chat(sample)
+        return self._encode_pieces(text) == self.fast.encode(text, add_special_tokens=False).ids
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(self._splitter.split(text)):
+            if not piece:
+                continue
+            if i % 2:  # odd positions are the special tokens the pattern captured
+                ids.append(self.fast.token_to_id(piece))
+                continue
+            with self._lock:
+                cached = self._pieces.get(piece)
+                if cached is not None:
+                    self._pieces.move_to_end(piece)
+            if cached is None:
+                cached = self.fast.encode(piece, add_special_tokens=False).ids
+                with self._lock:
+                    self._pieces[piece] = cached
+                    if len(self._pieces) > self._CACHE_PIECES:
+                        self._pieces.popitem(last=False)
+            ids.extend(cached)
+        return ids
 
     def encode(self, text: str) -> list[int]:
         return self.fast.encode(text, add_special_tokens=True).ids
@@ -57,6 +107,8 @@ class PromptTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt)
+        if self._splitter is not None:
+            return self._encode_pieces(text)
         return self.fast.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

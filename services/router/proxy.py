@@ -12,7 +12,6 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
-import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -20,6 +19,7 @@ from services.api.errors import APIError, error_body
 from services.api.streams import ClientGone, until_disconnect
 from services.registry.model import ReplicaState
 from services.router.metrics import RouterMetrics
+from services.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +30,13 @@ REPLICA_HEADER = "x-pagedserve-replica"
 class Proxy:
     def __init__(self, timeout: float, metrics: RouterMetrics, on_start: Callable[[str], None],
                  on_done: Callable[[str], None]):
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=2.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+        self.pool = UpstreamPool(connect_timeout=2.0, read_timeout=timeout)
         self.metrics = metrics
         self.on_start = on_start  # in-flight bookkeeping of the replica view
         self.on_done = on_done
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.pool.close()
 
     async def forward(self, request: Request, ranked: list[ReplicaState], path: str, body: bytes) -> Response:
         last_error = "no replica available"
@@ -47,47 +45,65 @@ class Proxy:
             if attempt:
                 self.metrics.retries.inc()
             self.on_start(rid)
-            upstream = self.client.build_request("POST", replica.info.url + path, content=body,
-                                                 headers={"content-type": "application/json"})
             try:
-                resp = await until_disconnect(self.client.send(upstream, stream=True), request)
+                resp = await until_disconnect(self.pool.post(replica.info.url, path, body), request)
             except ClientGone:
                 self.on_done(rid)
                 return Response(status_code=499)
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 self.on_done(rid)
                 self.metrics.upstream_errors.inc()
                 last_error = f"replica {rid}: {type(exc).__name__}: {exc}"
                 log.warning("upstream attempt %d failed, %s", attempt + 1, last_error)
                 continue
-            if resp.status_code >= 500:
-                detail = (await resp.aread())[:300].decode(errors="replace")
-                await resp.aclose()
+            if resp.status >= 500:
+                detail = await self._error_detail(resp)
                 self.on_done(rid)
                 self.metrics.upstream_errors.inc()
-                last_error = f"replica {rid}: HTTP {resp.status_code}: {detail}"
+                last_error = f"replica {rid}: HTTP {resp.status}: {detail}"
                 log.warning("upstream attempt %d failed, %s", attempt + 1, last_error)
                 continue
             headers = {REPLICA_HEADER: rid}
             media_type = resp.headers.get("content-type", "application/json")
+            self.metrics.requests.labels(str(resp.status)).inc()
             if "text/event-stream" in media_type:
                 headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.metrics.requests.labels(str(resp.status_code)).inc()
-            return StreamingResponse(self._relay(resp, rid, media_type), status_code=resp.status_code,
-                                     headers=headers, media_type=media_type)
+                return StreamingResponse(self._relay(resp, rid, media_type), status_code=resp.status,
+                                         headers=headers, media_type=media_type)
+            # A whole answer (the scheduler sends it complete): one body, no chunked relay.
+            try:
+                content = await until_disconnect(resp.read(), request)
+            except ClientGone:
+                return Response(status_code=499)
+            except UpstreamError as exc:
+                self.metrics.upstream_errors.inc()
+                raise APIError(502, f"replica {rid} broke off its answer: {exc}", code="upstream_broken") from None
+            finally:
+                await resp.close()
+                self.on_done(rid)
+            return Response(content, status_code=resp.status, headers=headers, media_type=media_type)
         raise APIError(503, f"no replica could serve the request ({last_error})", code="upstream_unavailable",
                        headers={"Retry-After": "1"})
 
-    async def _relay(self, resp: httpx.Response, rid: str, media_type: str) -> AsyncIterator[bytes]:
+    @staticmethod
+    async def _error_detail(resp: UpstreamResponse) -> str:
         try:
-            async for chunk in resp.aiter_raw():
+            return (await resp.read())[:300].decode(errors="replace")
+        except UpstreamError as exc:
+            return str(exc)
+        finally:
+            await resp.close()
+
+    async def _relay(self, resp: UpstreamResponse, rid: str, media_type: str) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.iter_chunks():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             self.metrics.upstream_errors.inc()
-            log.warning("replica %s broke off a response mid-stream: %s: %s", rid, type(exc).__name__, exc)
+            log.warning("replica %s broke off a response mid-stream: %s", rid, exc)
             if "text/event-stream" in media_type:
                 err = error_body(502, f"replica {rid} failed mid-stream", code="upstream_broken")
                 yield ("data: " + json.dumps(err) + "\n\n").encode()
         finally:
-            await resp.aclose()
+            await resp.close()
             self.on_done(rid)
