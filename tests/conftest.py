@@ -21,6 +21,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free (`pagedserve up` puts its routers on consecutive ports)."""
+    while True:
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+
+
 class RedisServer:
     """A real redis-server child process; stop() and start() again simulate an outage on one port."""
 

@@ -35,6 +35,7 @@ class ReplicaService:
     app: FastAPI
     model_name: str
     max_model_len: int
+    metrics: SchedulerMetrics
 
     def publisher(self, sink: RegistrySink, replica_id: str, url: str, capacity: int,
                   heartbeat_interval: float) -> ReplicaPublisher:
@@ -67,4 +68,4 @@ def build_replica(executor, model_dir: str | Path, settings: ReplicaSettings) ->
         return {"healthy": replica.healthy, "model": model_name, "error": replica.last_error}
 
     app = create_replica_app(serving, metrics, health)
-    return ReplicaService(replica, app, model_name, core.max_model_len)
+    return ReplicaService(replica, app, model_name, core.max_model_len, metrics)

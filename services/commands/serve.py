@@ -47,8 +47,13 @@ def run(args) -> int:
                                      "max_queue": 256, "request_timeout": 600.0})
     router = build_router(router_args, index)
     drain = getattr(args, "drain_timeout", 30.0)
+    def render_metrics() -> tuple[bytes, str]:
+        # One process, one scrape: the router's series and the replica's (queue, KV, latency).
+        ours, content_type = router.metrics.render()
+        return ours + replica.metrics.render()[0], content_type
+
     servers = [make_server(replica.app, "127.0.0.1", internal_port, drain, args.log_level),
-               make_server(create_router_app(router), args.host, args.port, drain, args.log_level)]
+               make_server(create_router_app(router, render_metrics), args.host, args.port, drain, args.log_level)]
     log.info("serving %s on http://%s:%d (OpenAI API at /v1)", replica.model_name, args.host, args.port)
     asyncio.run(run_servers(servers, [publisher.run()], on_stop=[publisher.close]))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -11,7 +12,9 @@ from services.api.app import add_openai_routes, bare_app, models_body
 from services.router.service import RouterService
 
 
-def create_router_app(service: RouterService) -> FastAPI:
+def create_router_app(service: RouterService,
+                      render_metrics: Callable[[], tuple[bytes, str]] | None = None) -> FastAPI:
+    """`render_metrics` replaces the router's own /metrics (`serve` adds its replica's metrics)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -23,7 +26,7 @@ def create_router_app(service: RouterService) -> FastAPI:
         service.keys.check(request.headers.get("authorization"))
         return models_body(service.config.model_name, service.max_model_len)
 
-    add_openai_routes(app, service, models, service.metrics.render)
+    add_openai_routes(app, service, models, render_metrics or service.metrics.render)
 
     @app.get("/health")
     async def health() -> Response:

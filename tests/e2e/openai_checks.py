@@ -1,0 +1,75 @@
+"""What the official `openai` client must be able to do against any pagedserve endpoint (the router of a
+cluster, or `pagedserve serve`): shared by the end-to-end tests of both."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+LONG_SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one line. " * 8
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model_id(c: openai.OpenAI) -> str:
+    return c.models.list().data[0].id
+
+
+def check_chat_and_completions(c: openai.OpenAI) -> None:
+    model = model_id(c)
+    msgs = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Status?"}]
+    first = c.chat.completions.create(model=model, messages=msgs, max_tokens=5, temperature=0, seed=1)
+    assert first.choices[0].finish_reason in ("length", "stop")
+    assert 1 <= first.usage.completion_tokens <= 5 and first.usage.prompt_tokens > 64
+    again = c.chat.completions.create(model=model, messages=msgs, max_tokens=5, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content  # greedy is greedy
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64  # the system prompt came from the cache
+
+    stream = c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert text == c.chat.completions.create(model=model, messages=msgs, max_tokens=4,
+                                             temperature=0).choices[0].message.content
+
+    two = c.completions.create(model=model, prompt="Once upon a time", max_tokens=6, n=2, temperature=1.0, seed=7)
+    assert sorted(ch.index for ch in two.choices) == [0, 1] and two.usage.completion_tokens <= 12
+    lp = c.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                   top_logprobs=2)
+    assert len(lp.choices[0].logprobs.content) == lp.usage.completion_tokens
+    assert len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def check_stop_strings(c: openai.OpenAI) -> None:
+    model = model_id(c)
+    base = c.completions.create(model=model, prompt="The list goes", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    if not stop.strip():
+        return  # a random model may emit whitespace there; nothing meaningful to stop on
+    cut = c.completions.create(model=model, prompt="The list goes", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert stop not in cut.choices[0].text and text.startswith(cut.choices[0].text)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=model, prompt="The list goes", max_tokens=24, temperature=0, stop=[stop], stream=True) if ch.choices)
+    assert streamed == cut.choices[0].text
+
+
+def check_bad_input(base_url: str) -> None:
+    url = base_url + "/v1/chat/completions"
+    bad = [b"{nope", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+           {"model": "x"}, {"messages": "x"}]
+    for body in bad:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(url, timeout=30, **kw)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["message"], r.text
+
+
+def kv_usage(metrics_text: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith("pagedserve_kv_cache_usage_ratio "):
+            return float(line.split()[1])
+    raise AssertionError("pagedserve_kv_cache_usage_ratio not exported")

@@ -1,0 +1,54 @@
+"""`pagedserve up` from the command line: it starts redis-server, replicas and a router as separate
+processes, serves, and Ctrl-C stops every one of them."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from conftest import free_port
+
+
+def _descendants(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children = (task / "children").read_text().split() if (task / "children").exists() else []
+        for child in map(int, children):
+            out |= {child} | _descendants(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "2", "--port", str(port),
+                             "--host", "127.0.0.1", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                             "--device", "cpu", "--num-kv-blocks", "128", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline()
+        assert "pagedserve up: 2 replicas" in banner, banner
+        children = _descendants(proc.pid)
+        assert len(children) >= 6  # redis, 2 engines, 2 schedulers, 1 router
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": Path(tiny_llama_dir).name, "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-pagedserve-replica"] in ("replica-0", "replica-1")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, "a child of pagedserve up outlived it"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
