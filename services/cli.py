@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: per-request noise (and cost) on the router's hot path.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2"):  # openai's client logs through "httpx2"
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     return int(handler(args) or 0)

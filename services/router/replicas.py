@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 SATURATION_FACTOR = 2
 # How long an empty registry is distrusted after a non-empty one (a Redis that restarted empty).
 EMPTY_GRACE = 5.0
+# While the index is down, one request per this many seconds tries it again; the rest skip it.
+INDEX_RETRY = 0.5
 
 
 class ReplicaFilter(Protocol):
@@ -37,6 +39,7 @@ class ReplicaView:
         self._last: list[ReplicaState] = []
         self._last_at = 0.0
         self._index_down = False
+        self._retry_at = 0.0
 
     @property
     def known(self) -> list[ReplicaState]:
@@ -44,28 +47,35 @@ class ReplicaView:
         return self._last
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
+        states = await self._read(block_hashes)
+        live = [self._with_local_load(s) for s in states
+                if s.load.healthy and (self.filter is None or self.filter.allows(s.info))]
+        self.metrics.healthy_replicas.set(len(live))
+        return live
+
+    async def _read(self, block_hashes: list[int]) -> list[ReplicaState]:
+        now = time.monotonic()
+        if self._index_down and now < self._retry_at:
+            return self._fallback()  # do not make every request wait for a dead Redis's timeout
         try:
             states = await self.index.snapshot(block_hashes)
         except Exception as exc:
             if not self._index_down:
                 log.warning("prefix index unreachable (%s: %s); routing on load only", type(exc).__name__, exc)
-                self._index_down = True
-            states = [ReplicaState(s.info, s.load, 0) for s in self._last]
-        else:
-            if self._index_down:
-                log.info("prefix index reachable again; prefix routing resumed")
-                self._index_down = False
-            if states or time.monotonic() - self._last_at > EMPTY_GRACE:
-                self._last = [ReplicaState(s.info, s.load, 0) for s in states]
-                self._last_at = time.monotonic()
-            else:
-                # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile
-                # the last view serves (retries cover any replica that really went away).
-                states = [ReplicaState(s.info, s.load, 0) for s in self._last]
-        live = [self._with_local_load(s) for s in states
-                if s.load.healthy and (self.filter is None or self.filter.allows(s.info))]
-        self.metrics.healthy_replicas.set(len(live))
-        return live
+            self._index_down, self._retry_at = True, now + INDEX_RETRY
+            return self._fallback()
+        if self._index_down:
+            log.info("prefix index reachable again; prefix routing resumed")
+            self._index_down = False
+        if states or now - self._last_at > EMPTY_GRACE:
+            self._last, self._last_at = [ReplicaState(s.info, s.load, 0) for s in states], now
+            return states
+        # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile the last
+        # view serves (retries cover any replica that really went away).
+        return self._fallback()
+
+    def _fallback(self) -> list[ReplicaState]:
+        return [ReplicaState(s.info, s.load, 0) for s in self._last]
 
     async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
         if self._index_down:
