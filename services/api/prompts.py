@@ -6,6 +6,7 @@ and the same context-length rule; a request the router accepts is one the schedu
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,6 +15,7 @@ from services.api.protocol import ChatCompletionRequest, CompletionRequest
 from services.sampling_params import InvalidRequestError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+INLINE_TOKENIZE_CHARS = 20_000  # longer texts are tokenized in a worker thread
 
 
 class TokenizerLike(Protocol):
@@ -101,6 +103,22 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer
     params = sampling_params(req, max(len(p) for p in prompts), max_model_len)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
     return PreparedRequest(kind, req.model, prompts, params, req.stream, req.include_usage)
+
+
+async def prepare_async(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,
+                        max_model_len: int) -> PreparedRequest:
+    """`prepare`, moved off the event loop for long texts so one huge prompt does not stall other streams."""
+    if _text_size(req) > INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(prepare, req, tokenizer, max_model_len)
+    return prepare(req, tokenizer, max_model_len)
+
+
+def _text_size(req) -> int:
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+    if isinstance(req.prompt, str):
+        return len(req.prompt)
+    return sum(len(p) for p in req.prompt if isinstance(p, str))
 
 
 def _prompt_field(req) -> str:

@@ -7,7 +7,6 @@ client that goes away aborts its engine requests, which frees their KV blocks at
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -21,16 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.api.accumulator import ResponseAccumulator
 from services.api.errors import APIError
 from services.api.metrics import RequestTimer, SchedulerMetrics
-from services.api.prompts import PreparedRequest, prepare
+from services.api.prompts import PreparedRequest, prepare_async
 from services.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
 from services.api.streams import ClientGone, merge, until_disconnect
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.request_output import RequestOutput
 
 log = logging.getLogger(__name__)
-
-# Longer texts are tokenized off the event loop, so one huge prompt does not stall other streams.
-_INLINE_TOKENIZE_CHARS = 20_000
 
 
 class EngineClient(Protocol):
@@ -83,10 +79,7 @@ class OpenAIServing:
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)
-        if _text_size(req) > _INLINE_TOKENIZE_CHARS:
-            prepared = await asyncio.to_thread(prepare, req, self.tokenizer, self.config.max_model_len)
-        else:
-            prepared = prepare(req, self.tokenizer, self.config.max_model_len)
+        prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
         if not self.engine.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         request_id = id_prefix + uuid.uuid4().hex
@@ -177,8 +170,3 @@ class _Run:
                 self.engine.abort(rid)
                 self.done.add(rid)
 
-
-def _text_size(req) -> int:
-    if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
-    return len(req.prompt) if isinstance(req.prompt, str) else 0

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.api.errors import APIError
-from services.api.prompts import prepare
+from services.api.prompts import prepare_async
 from services.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
 from services.api.serving import check_model
 from services.block_hash import hash_blocks
@@ -30,7 +30,6 @@ from services.router.replicas import ReplicaFilter, ReplicaView, saturated
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-_INLINE_TOKENIZE_CHARS = 20_000
 
 
 @dataclass
@@ -85,10 +84,7 @@ class RouterService:
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)
-        if len(json.dumps(body.get("messages") or body.get("prompt") or "")) > _INLINE_TOKENIZE_CHARS:
-            prepared = await asyncio.to_thread(prepare, req, self.tokenizer, self.max_model_len)
-        else:
-            prepared = prepare(req, self.tokenizer, self.max_model_len)
+        prepared = await prepare_async(req, self.tokenizer, self.max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
