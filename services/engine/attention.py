@@ -2,7 +2,8 @@
 
 Tokens are laid out decodes first (one token each), then prefill chunks. Decodes go through the
 batched decode kernel; prefill chunks through the chunked-prefill kernel. CUDA tensors use the Triton
-kernels, everything else the PyTorch references (the CPU backend).
+kernels; on the CPU, decodes use the compiled C++ kernel (kernels.cpu) and prefills the PyTorch
+reference, whose SDPA call is already an efficient CPU flash-attention.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.cpu import decode_attention_cpu
 
 
 @dataclass
@@ -29,7 +31,7 @@ class PagedAttention:
     def __init__(self, device: torch.device):
         on_cuda = device.type == "cuda"
         self.write_kv = kernels.write_kv if on_cuda else kernels.write_kv_ref
-        self.decode = kernels.decode_attention if on_cuda else kernels.decode_attention_ref
+        self.decode = kernels.decode_attention if on_cuda else decode_attention_cpu
         self.prefill = kernels.prefill_attention if on_cuda else kernels.prefill_attention_ref
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -41,11 +41,11 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0.0]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0.0]
         if len(greedy) == n:
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.max(dim=-1).indices  # max() is several times faster than argmax() on the CPU
         else:
             if greedy:
                 gi = torch.tensor(greedy, device=logits.device)
-                tokens[gi] = logits.index_select(0, gi).argmax(dim=-1)
+                tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
             ri = torch.tensor(rand, device=logits.device)
             tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
         token_list = tokens.tolist()

@@ -1,0 +1,234 @@
+// Paged decode attention for the CPU: one query token per sequence, reading K/V straight from the
+// block table (no gather into a padded copy), all query heads of one KV group per task so each key
+// and value row is loaded once. Softmax and accumulation in float32 whatever the storage dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+// Widen one row to float32. The bfloat16 case is a 16-bit shift, written so the compiler vectorises it
+// (c10::BFloat16's own conversion does not vectorise).
+template <typename T>
+static inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// Load 16 elements as float32 lanes.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+constexpr bool kHaveAvx512 = true;
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
+
+#if defined(__AVX512F__)
+// Register-resident variant for small groups (G query heads x C 16-lane chunks <= 16 registers): the
+// queries and the output accumulators never leave registers. SmolLM2 (G=3, D=64) and most GQA models
+// with D=64 take this path.
+template <typename T, int G, int C>
+static void attend_group_regs(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L,
+                              int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores, float* acc) {
+  __m512 q[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qf + g * C * 16 + 16 * c);
+  float m[G];
+  for (int g = 0; g < G; ++g) m[g] = -INFINITY;
+  for (int64_t t = 0; t < L; ++t) {
+    const T* kp = kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load16(kp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 sum = _mm512_mul_ps(q[g][0], k[0]);
+      for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(q[g][c], k[c], sum);
+      const float sc = _mm512_reduce_add_ps(sum);
+      scores[g * L + t] = sc;
+      m[g] = std::max(m[g], sc);
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sc = scores + g * L;
+    float total = 0.f;
+    for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m[g]); total += sc[t]; }
+    inv[g] = 1.f / total;
+  }
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * C * 16 + 16 * c, _mm512_mul_ps(a[g][c], s));
+  }
+}
+
+template <typename T>
+static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L,
+                              int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off,
+                              float* scores, float* acc) {
+#define PAGEDSERVE_CASE(GG, CC)                                                                              \
+  if (G == GG && D == CC * 16) {                                                                            \
+    attend_group_regs<T, GG, CC>(qf, kc, vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);                 \
+    return true;                                                                                            \
+  }
+  PAGEDSERVE_CASE(1, 4) PAGEDSERVE_CASE(2, 4) PAGEDSERVE_CASE(3, 4) PAGEDSERVE_CASE(4, 4)
+  PAGEDSERVE_CASE(1, 8) PAGEDSERVE_CASE(2, 8)
+#undef PAGEDSERVE_CASE
+  return false;
+}
+#endif
+
+// One (sequence, KV head) task: the G query heads of the group attend over the sequence's blocks.
+// Two passes (scores, then weighted values) over rows read in place from the cache.
+template <typename T>
+static void attend_group(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t G,
+                         int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores,
+                         float* acc, float* row) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same<T, double>::value) {
+  if (attend_group_fast<T>(qf, kc, vc, table, L, G, D, BS, c_s0, c_s1, h_off, scores, acc)) return;
+  if (D % 16 == 0 && D <= 256) {
+    const int64_t C = D / 16;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* kp = kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+      __m512 k[16];
+      for (int64_t c = 0; c < C; ++c) k[c] = load16(kp + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 sum = _mm512_mul_ps(load16(qf + g * D), k[0]);
+        for (int64_t c = 1; c < C; ++c) sum = _mm512_fmadd_ps(load16(qf + g * D + 16 * c), k[c], sum);
+        scores[g * L + t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sc = scores + g * L;
+      float m = -INFINITY;
+      for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
+      float total = 0.f;
+      for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); total += sc[t]; }
+      const float inv = 1.f / total;
+      for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+    }
+    std::fill(acc, acc + G * D, 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+      __m512 v[16];
+      for (int64_t c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+        float* ag = acc + g * D;
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(ag + 16 * c)));
+      }
+    }
+    return;
+  }
+  }
+#endif
+  for (int64_t t = 0; t < L; ++t) {
+    to_float(kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * row[d];
+      scores[g * L + t] = dot;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * L;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); total += sc[t]; }
+    for (int64_t t = 0; t < L; ++t) sc[t] /= total;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    to_float(vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + t] * row[d];
+  }
+}
+
+template <typename T>
+static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T* __restrict vc,
+                          const int32_t* __restrict bt, const int32_t* __restrict cl, T* __restrict out,
+                          int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t BS, int64_t MB,
+                          int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1, int64_t c_s2,
+                          int64_t o_s0, int64_t o_s1, float scale) {
+  const int64_t G = Hq / Hk;
+  at::parallel_for(0, S * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / Hk, h = task % Hk;
+      const int64_t L = cl[s];
+      for (int64_t g = 0; g < G; ++g) {
+        to_float(q + s * q_s0 + (h * G + g) * q_s1, qf.data() + g * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
+      }
+      scores.resize(G * L);
+      attend_group<T>(qf.data(), kc, vc, bt + s * MB, L, G, D, BS, c_s0, c_s1, h * c_s2, scores.data(),
+                      acc.data(), row.data());
+      for (int64_t g = 0; g < G; ++g) {
+        T* op = out + s * o_s0 + (h * G + g) * o_s1;
+        for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[g * D + d]);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be 3-D and the caches 4-D");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k_cache and v_cache must share strides");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "tables must be contiguous");
+  auto out = torch::empty_like(q);
+  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), MB = block_tables.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                            out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
+                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+                            out.stride(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+// Defined in fused_ops.cpp.
+torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
+void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                  int64_t rotated_heads, int64_t head_dim);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
+  m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up buffer");
+}

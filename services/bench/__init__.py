@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput against baselines, and (services) routing and router overhead."""

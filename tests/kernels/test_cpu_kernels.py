@@ -1,0 +1,82 @@
+"""The C++ CPU kernels (the engine's CPU fast path) against the references and float64 dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import decode_attention_cpu, load
+from kernels.paged_inputs import dense_attention, make_paged_inputs, rel_err
+from kernels.reference import decode_attention_ref
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = load()
+    if mod is None:
+        pytest.fail("the CPU kernels did not compile (a C++ compiler and ninja are part of `make install`)")
+    return mod
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_dense_float64(ext, gen, head_dim, group, block_size):
+    lens = [1, block_size - 1, block_size, block_size + 1, 1100]
+    inp = make_paged_inputs(lens, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+                            shared_blocks=1, poison_unused=True, generator=gen)
+    out = decode_attention_cpu(*inp.decode_args())  # never reads a NaN slot past a context
+    dense = dense_attention(inp)
+    assert not out.isnan().any()
+    assert rel_err(out, dense) <= 1e-5
+    ref = decode_attention_ref(*inp.finite().decode_args())
+    assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_half_precision(ext, gen, dtype):
+    inp = make_paged_inputs([5, 40, 300], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                            dtype=dtype, generator=gen)
+    assert rel_err(decode_attention_cpu(*inp.decode_args()), dense_attention(inp)) <= 1e-2
+
+
+def test_decode_strided_query(ext, gen):
+    inp = make_paged_inputs([17, 33], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, generator=gen)
+    wide = torch.randn(2, 4, 128, generator=gen)
+    wide[:, :, :64] = inp.q
+    strided = wide[:, :, :64]
+    assert not strided.is_contiguous()
+    assert rel_err(decode_attention_cpu(strided, *inp.decode_args()[1:]), dense_attention(inp)) <= 1e-5
+
+
+def test_fused_add_rms_norm(ext, gen):
+    from services.engine.llama import rms_norm
+
+    h = torch.randn(37, 576, generator=gen).bfloat16()
+    d = torch.randn(37, 576, generator=gen).bfloat16()
+    w = torch.randn(576, generator=gen).bfloat16()
+    expect_h = h + d
+    expect = rms_norm(expect_h, w, 1e-5)
+    got = ext.add_rms_norm(h, d, w, 1e-5)
+    assert torch.equal(h, expect_h)  # residual updated in place
+    assert rel_err(got, expect) <= 1e-2
+    assert rel_err(ext.add_rms_norm(h.float(), None, w.float(), 1e-5), rms_norm(h.float(), w.float(), 1e-5)) <= 1e-6
+
+
+def test_fused_rope_and_silu_mul(ext, gen):
+    from services.engine.rope import RotaryEmbedding
+
+    heads, kv, d, T = 4, 2, 64, 11
+    rope = RotaryEmbedding(d, 256, 10000.0, None, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(T, (heads + 2 * kv) * d, generator=gen)
+    pos = torch.randint(0, 256, (T,), generator=gen)
+    q_ref, k_ref = rope(pos, qkv[:, :heads * d].view(T, heads, d), qkv[:, heads * d:(heads + kv) * d].view(T, kv, d))
+    v_before = qkv[:, (heads + kv) * d:].clone()
+    ext.rope_inplace(qkv, pos, rope.cos, rope.sin, heads + kv, d)
+    assert rel_err(qkv[:, :heads * d].view(T, heads, d), q_ref) <= 1e-6
+    assert rel_err(qkv[:, heads * d:(heads + kv) * d].view(T, kv, d), k_ref) <= 1e-6
+    assert torch.equal(qkv[:, (heads + kv) * d:], v_before)  # values are not rotated
+    gu = torch.randn(T, 2 * 96, generator=gen)
+    gate, up = gu.chunk(2, dim=-1)
+    assert rel_err(ext.silu_mul(gu), F.silu(gate) * up) <= 1e-6
