@@ -38,5 +38,5 @@ def run_transformers(model_dir, requests: list[BenchRequest], dtype: str = "bflo
                            do_sample=False, eos_token_id=None, pad_token_id=pad)
         useful += sum(r.output_len for r in batch)
     elapsed = time.perf_counter() - start
-    return {"system": "transformers (static batches of %d)" % batch_size, "output_tokens": useful,
+    return {"system": f"transformers (static batches of {batch_size})", "output_tokens": useful,
             "seconds": elapsed, "tokens_per_s": useful / elapsed}
