@@ -17,6 +17,9 @@ from openai_checks import LONG_SYSTEM, check_chat_and_completions, check_stop_st
 
 from services.commands.up import LocalCluster
 
+# These run the services as real processes: they need the whole engine stack.
+pytest.importorskip("services.scheduler.async_engine")
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):

@@ -10,7 +10,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import free_port
+
+# These run the services as real processes: they need the whole engine stack.
+pytest.importorskip("services.scheduler.async_engine")
 
 
 def _descendants(pid: int) -> set[int]:
