@@ -42,16 +42,16 @@ async def run_servers(servers: list[uvicorn.Server], background: list[Coroutine]
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
 
-    def stop() -> None:
+    def stop(sig: int = signal.SIGTERM) -> None:
         if not stopping:
             stopping.extend(asyncio.create_task(cb()) for cb in on_stop)
         for s in servers:
-            if s.should_exit:
-                s.force_exit = True
+            if s.should_exit and sig == signal.SIGINT:
+                s.force_exit = True  # a second Ctrl-C: stop draining
             s.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+        loop.add_signal_handler(sig, stop, sig)
     def failed(task: asyncio.Task) -> None:
         # A background task (engine start-up, registry) that dies leaves a replica that cannot serve:
         # exit rather than linger half-alive; the supervisor (Kubernetes, `pagedserve up`) restarts it.
