@@ -106,7 +106,9 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
             causal = False
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=k.shape[0] != num_q_heads)
+        # 4-D inputs: PyTorch's CPU flash-attention kernel only takes batched input; 3-D falls back to
+        # the unfused math path, several times slower.
+        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=k.shape[0] != num_q_heads)[0]
         out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
