@@ -96,7 +96,9 @@ class ModelRunner:
         if out.blocks_to_copy:
             self._copy_blocks(out.blocks_to_copy)
         bs = self.block_size
-        decodes = [s for s in out.sequences if len(s.token_ids) == 1]
+        # Decodes that share prefix blocks sit next to each other, so the attention kernel finds the
+        # shared blocks still in cache when it reaches the next sequence of the group.
+        decodes = sorted((s for s in out.sequences if len(s.token_ids) == 1), key=lambda s: s.block_table[0])
         prefills = [s for s in out.sequences if len(s.token_ids) > 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
