@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from kernels.cpu import decode_attention_cpu
@@ -25,6 +26,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # [num_prefill_seqs, max_blocks] int32
     prefill_query_start_loc: torch.Tensor | None  # [num_prefill_seqs + 1] int32, relative to num_decode
     prefill_context_lens: torch.Tensor | None  # [num_prefill_seqs] int32
+    # (q_start, q_end, context_len) per prefill sequence, relative to num_decode, as Python ints.
+    prefill_spans: list[tuple[int, int, int]] | None = None
 
 
 class PagedAttention:
@@ -32,7 +35,33 @@ class PagedAttention:
         on_cuda = device.type == "cuda"
         self.write_kv = kernels.write_kv if on_cuda else kernels.write_kv_ref
         self.decode = kernels.decode_attention if on_cuda else decode_attention_cpu
+        self.on_cuda = on_cuda
         self.prefill = kernels.prefill_attention if on_cuda else kernels.prefill_attention_ref
+
+    def _prefill_cpu(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A prompt computed whole in this step attends only to its own new keys: run causal SDPA on
+        them directly instead of gathering them back out of the cache; continuations use the reference."""
+        out = torch.empty_like(q)
+        num_q_heads = q.shape[1]
+        for i, (start, end, ctx) in enumerate(meta.prefill_spans):
+            if end - start == ctx:
+                o = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                    v[start:end].transpose(0, 1)[None], is_causal=True, scale=scale,
+                    enable_gqa=k.shape[1] != num_q_heads)[0]
+                out[start:end] = o.transpose(0, 1)
+            else:
+                out[start:end] = self.prefill(
+                    q[start:end], k_cache, v_cache, meta.prefill_block_tables[i:i + 1],
+                    meta.prefill_query_start_loc.new_tensor([0, end - start]), meta.prefill_context_lens[i:i + 1],
+                    scale)
+        return out
+
+    def _run_prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not self.on_cuda and meta.prefill_spans is not None:
+            return self._prefill_cpu(q, k, v, k_cache, v_cache, meta, scale)
+        return self.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                            meta.prefill_context_lens, scale)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -42,11 +71,9 @@ class PagedAttention:
         if nd == q.shape[0]:
             return self.decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
         if nd == 0:
-            return self.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                                meta.prefill_context_lens, scale)
+            return self._run_prefill(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                scale)
-        out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+        out[nd:] = self._run_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
         return out

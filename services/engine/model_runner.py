@@ -128,6 +128,8 @@ class ModelRunner:
             prefill_query_start_loc=self._int_tensor(q_starts) if prefills else None,
             prefill_context_lens=(self._int_tensor([s.start_pos + len(s.token_ids) for s in prefills])
                                   if prefills else None),
+            prefill_spans=[(q_starts[i], q_starts[i + 1], s.start_pos + len(s.token_ids))
+                           for i, s in enumerate(prefills)],
         )
         # Rows to sample: the last token of each sequence that samples, once per requested sample.
         sample_idx: list[int] = []
