@@ -50,7 +50,7 @@ class EngineCore:
         self.hash_seed = model_hash_seed(self.info.model_id, self.info.block_size)
         self._events: list[KVEvent] | None = [] if collect_kv_events else None
         self.pool = BlockPool(self.info.num_kv_blocks, enable_prefix_caching,
-                              on_event=self._events.append if self._events is not None else None)
+                              on_event=self._record_event if self._events is not None else None)
         watermark = max(1, self.info.num_kv_blocks // 100)
         self.kv = KVCacheManager(self.pool, self.info.block_size, self.hash_seed, watermark_blocks=watermark)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
@@ -222,8 +222,12 @@ class EngineCore:
             prefix_hits=self.kv.prefix_hits, num_preemptions=sched.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
 
+    def _record_event(self, event: KVEvent) -> None:
+        self._events.append(event)
+
     def drain_kv_events(self) -> list[KVEvent]:
+        """Events since the last call. Safe from another thread: the list is swapped, never copied."""
         if self._events is None:
             return []
-        events, self._events[:] = list(self._events), []
+        events, self._events = self._events, []
         return events

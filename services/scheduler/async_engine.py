@@ -1,0 +1,130 @@
+"""The engine core behind asyncio: the step loop runs on its own thread, HTTP handlers await outputs.
+
+Every call into the EngineCore happens on the loop thread (adds and aborts are queued and applied
+between steps), so the core stays single-threaded. A request's stream yields cumulative
+RequestOutputs; leaving the stream early (client gone, task cancelled) aborts the request, which frees
+its KV blocks at the next step boundary. If the executor raises, every in-flight request ends with
+finish_reason "error" and the loop keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+
+from services.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.request_output import RequestOutput, SchedulerStats
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, idle_wait: float = 0.5):
+        self.core = core
+        self._ops: deque[tuple] = deque()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._idle_wait = idle_wait
+        self._stats = core.stats()
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- client side (event loop thread) ----------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        self.core.validate(prompt_token_ids, params)  # fail fast, before anything is queued
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        self._ops.append(("add", request_id, list(prompt_token_ids), params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._ops.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> SchedulerStats:
+        """Snapshot taken after the latest step (never blocks on a running step)."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- loop thread --------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return  # the client left; its abort is queued
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass  # that event loop is closed
+
+    def _apply_ops(self) -> None:
+        core = self.core
+        while self._ops:
+            op = self._ops.popleft()
+            if op[0] == "add":
+                _, rid, prompt, params = op
+                if rid not in self._streams:
+                    continue  # cancelled before it was queued in the core
+                try:
+                    core.add_request(rid, prompt, params, stream=True)
+                except InvalidRequestError as e:
+                    self._deliver(rid, e)
+                except Exception as e:  # never let one bad request stop the loop
+                    log.exception("request %s could not be queued", rid)
+                    self._deliver(rid, e)
+            else:
+                out = core.abort_request(op[1])
+                if out is not None:
+                    self._deliver(op[1], out)
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop:
+            self._apply_ops()
+            if not core.has_unfinished():
+                self._stats = core.stats()
+                self._wake.wait(self._idle_wait)
+                self._wake.clear()
+                continue
+            try:
+                outputs = core.step()
+            except Exception as e:
+                log.exception("engine step failed; failing %d in-flight requests", len(core.groups))
+                outputs = core.fail_all(f"engine failure: {e}")
+            self.steps += 1
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = core.stats()
