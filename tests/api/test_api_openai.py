@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import AppServer
+from tests.conftest import AppServer
 
 from services.api.app import create_replica_app
 from services.api.metrics import SchedulerMetrics

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from conftest import free_port_run
+from tests.conftest import free_port_run
 from openai_checks import LONG_SYSTEM, check_chat_and_completions, check_stop_strings, client, kv_usage, model_id
 
 from services.commands.up import LocalCluster

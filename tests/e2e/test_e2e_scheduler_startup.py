@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 import redis
-from conftest import free_port
+from tests.conftest import free_port
 
 pytest.importorskip("services.scheduler.async_engine")
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port
+from tests.conftest import free_port
 from openai_checks import check_bad_input, check_chat_and_completions, check_stop_strings, client, kv_usage
 
 # These run the services as real processes: they need the whole engine stack.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from tests.conftest import free_port
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_engine")

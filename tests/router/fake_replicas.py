@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conftest import AppServer
+from tests.conftest import AppServer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import AppServer, free_port
+from tests.conftest import AppServer, free_port
 from fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
 
 from services.block_hash import hash_blocks

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import free_port
+from tests.conftest import free_port
 
 from services.sampling_params import SamplingParams
 from services.scheduler.engine_core import EngineCore
