@@ -9,7 +9,6 @@ import time
 import httpx
 import openai
 import pytest
-from tests.conftest import AppServer
 
 from services.api.app import create_replica_app
 from services.api.metrics import SchedulerMetrics
@@ -17,6 +16,7 @@ from services.api.serving import OpenAIServing, ServingConfig
 from services.sampling_params import InvalidRequestError
 from services.scheduler.output import TokenLogprobs
 from services.scheduler.request_output import CompletionOutput, RequestOutput
+from tests.conftest import AppServer
 
 MODEL = "tiny"
 MAX_LEN = 256

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 import redis
+
 from tests.conftest import free_port
 
 pytest.importorskip("services.scheduler.async_engine")

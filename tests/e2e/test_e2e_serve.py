@@ -9,8 +9,9 @@ import time
 
 import httpx
 import pytest
-from tests.conftest import free_port
 from openai_checks import check_bad_input, check_chat_and_completions, check_stop_strings, client, kv_usage
+
+from tests.conftest import free_port
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_engine")

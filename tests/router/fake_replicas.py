@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.conftest import AppServer
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.block_hash import model_hash_seed
 from services.registry.model import BlockDelta, ReplicaInfo, ReplicaLoad, ReplicaState
 from services.registry.redis_sink import RedisSink, connect
+from tests.conftest import AppServer
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-from tests.conftest import AppServer, free_port
 from fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
 
 from services.block_hash import hash_blocks
@@ -21,6 +20,7 @@ from services.router.auth import ApiKeys
 from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
+from tests.conftest import AppServer, free_port
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 

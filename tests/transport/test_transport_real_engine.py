@@ -10,13 +10,13 @@ import sys
 import time
 
 import pytest
-from tests.conftest import free_port
 
 from services.sampling_params import SamplingParams
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import InProcessExecutor
 from services.tokenizer import ModelTokenizer
 from services.transport import EngineUnavailableError, RemoteExecutor
+from tests.conftest import free_port
 
 
 def start_engine(model_dir, port: int) -> subprocess.Popen:
