@@ -79,6 +79,33 @@ constexpr bool kHaveAvx512 = false;
 #endif
 
 #if defined(__AVX512F__)
+// Second half of a register-resident task: softmax the G score rows in place, then accumulate the
+// weighted value rows (G x C float32 registers) and write the normalised outputs to `acc`.
+template <typename T, int G, int C>
+static inline void softmax_values(const T* vc, const int32_t* table, int64_t L, int64_t BS, int64_t c_s0,
+                                  int64_t c_s1, int64_t h_off, float* scores, float* acc) {
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * L, L);
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * C * 16 + 16 * c, _mm512_mul_ps(a[g][c], s));
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
 // Register-resident variant for small groups (G query heads x C 16-lane chunks <= 16 registers): the
 // queries and the output accumulators never leave registers. SmolLM2 (G=3, D=64) and most GQA models
 // with D=64 take this path.
@@ -98,24 +125,7 @@ static void attend_group_regs(const float* qf, const T* kc, const T* vc, const i
       scores[g * L + t] = _mm512_reduce_add_ps(sum);
     }
   }
-  float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * L, L);
-  __m512 a[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 s = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * C * 16 + 16 * c, _mm512_mul_ps(a[g][c], s));
-  }
+  softmax_values<T, G, C>(vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);
 }
 
 #if defined(__AVX512BF16__)
@@ -164,25 +174,7 @@ static void attend_group_bf16(const float* qf, const c10::BFloat16* kc, const c1
       _mm512_mask_storeu_ps(scores + g * L + t0, static_cast<__mmask16>((1u << n) - 1), reduce16(part));
     }
   }
-  float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * L, L);
-  constexpr int C = D / 16;
-  __m512 a[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const c10::BFloat16* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 s = _mm512_set1_ps(inv[g]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(a[g][c], s));
-  }
+  softmax_values<c10::BFloat16, G, D / 16>(vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);
 }
 #endif
 
