@@ -64,6 +64,8 @@ def run_vllm(model_dir, requests, args) -> dict:
     cores = os.cpu_count() or 1
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE="4",
                VLLM_TARGET_DEVICE="cpu")
+    for name in ("OMP_PROC_BIND", "OMP_PLACES"):  # vLLM binds its own threads; leave it its defaults
+        env.pop(name, None)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
