@@ -29,6 +29,21 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages under a large CPU tensor (needed when THP is 'madvise')."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    huge = 2 << 20
+    start = (t.data_ptr() + huge - 1) & ~(huge - 1)
+    end = (t.data_ptr() + t.numel() * t.element_size()) & ~(huge - 1)
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
+
+
 def _eos_ids(model_dir: Path, hf_cfg: dict) -> list[int]:
     ids: set[int] = set()
     sources = [hf_cfg.get("eos_token_id")]
@@ -63,11 +78,14 @@ class ModelRunner:
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         self.num_kv_blocks = num_kv_blocks or max(2, kv_cache_memory_bytes // per_block)
         shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zero-filled, not empty: padding slots are read (and masked) by batched attention, and
-        # uninitialised memory may hold NaNs that a mask cannot remove.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
+        # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
+        # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
+        arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            advise_huge_pages(arena)
+        arena.zero_()
+        self.kv_caches = [(arena[i, 0], arena[i, 1]) for i in range(cfg.num_layers)]
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.sampler = Sampler(self.device)
         is_default = model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
