@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 from kernels.cpu import decode_attention_cpu
+from services.engine.cpu_prefill import prefill_attention_cpu
 
 
 @dataclass
@@ -38,28 +38,10 @@ class PagedAttention:
         self.on_cuda = on_cuda
         self.prefill = kernels.prefill_attention if on_cuda else kernels.prefill_attention_ref
 
-    def _prefill_cpu(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A prompt computed whole in this step attends only to its own new keys: run causal SDPA on
-        them directly instead of gathering them back out of the cache; continuations use the reference."""
-        out = torch.empty_like(q)
-        num_q_heads = q.shape[1]
-        for i, (start, end, ctx) in enumerate(meta.prefill_spans):
-            if end - start == ctx:
-                o = F.scaled_dot_product_attention(
-                    q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
-                    v[start:end].transpose(0, 1)[None], is_causal=True, scale=scale,
-                    enable_gqa=k.shape[1] != num_q_heads)[0]
-                out[start:end] = o.transpose(0, 1)
-            else:
-                out[start:end] = self.prefill(
-                    q[start:end], k_cache, v_cache, meta.prefill_block_tables[i:i + 1],
-                    meta.prefill_query_start_loc.new_tensor([0, end - start]), meta.prefill_context_lens[i:i + 1],
-                    scale)
-        return out
-
     def _run_prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not self.on_cuda and meta.prefill_spans is not None:
-            return self._prefill_cpu(q, k, v, k_cache, v_cache, meta, scale)
+            return prefill_attention_cpu(q, k, v, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans,
+                                         scale)
         return self.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
                             meta.prefill_context_lens, scale)
 
