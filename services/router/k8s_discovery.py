@@ -71,17 +71,20 @@ class EndpointSliceDiscovery:
         self._pods = frozenset(p for _, pods in self._slices.values() for p in pods)
 
     # -- the watch --------------------------------------------------------------------------------
-    def start(self) -> None:
-        threading.Thread(target=self._run, name="endpointslice-watch", daemon=True).start()
+    def start(self, api=None, watcher_factory=None) -> None:
+        """Watch in a daemon thread; `api`/`watcher_factory` default to the in-cluster kubernetes client."""
+        if api is None:
+            from kubernetes import client, config, watch
+
+            config.load_incluster_config()
+            api, watcher_factory = client.DiscoveryV1Api(), watch.Watch
+        threading.Thread(target=self._run, args=(api, watcher_factory), name="endpointslice-watch",
+                         daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _run(self) -> None:
-        from kubernetes import client, config, watch
-
-        config.load_incluster_config()
-        api = client.DiscoveryV1Api()
+    def _run(self, api, watcher_factory) -> None:
         selector = f"kubernetes.io/service-name={self.service}"
         backoff = 0.5
         while not self._stop.is_set():
@@ -89,10 +92,10 @@ class EndpointSliceDiscovery:
                 listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
                 self.replace_all(listing.items)
                 backoff = 0.5
-                stream = watch.Watch().stream(api.list_namespaced_endpoint_slice, self.namespace,
-                                              label_selector=selector,
-                                              resource_version=listing.metadata.resource_version,
-                                              timeout_seconds=300)
+                stream = watcher_factory().stream(api.list_namespaced_endpoint_slice, self.namespace,
+                                                  label_selector=selector,
+                                                  resource_version=listing.metadata.resource_version,
+                                                  timeout_seconds=300)
                 for event in stream:
                     if self._stop.is_set():
                         return

@@ -6,6 +6,8 @@ from kubernetes.client import (
     V1Endpoint,
     V1EndpointConditions,
     V1EndpointSlice,
+    V1EndpointSliceList,
+    V1ListMeta,
     V1ObjectMeta,
     V1ObjectReference,
 )
@@ -40,3 +42,46 @@ def test_ready_endpoints_gate_replicas():
     assert not d.allows(c)
     # Matching by pod name too: a replica that advertises a DNS name is still found by its pod.
     assert d.allows(ReplicaInfo("pod-b", "http://pod-b.schedulers:8100", "m", 16, 2048, 8, 1))
+
+
+class FakeDiscoveryApi:
+    """The two calls the watch makes, with a scripted list, then events, then a broken connection."""
+
+    def __init__(self, listing, events):
+        self.listing, self.events, self.lists = listing, events, 0
+
+    def list_namespaced_endpoint_slice(self, namespace, label_selector, **_):
+        assert label_selector == "kubernetes.io/service-name=schedulers" and namespace == "ns"
+        self.lists += 1
+        return V1EndpointSliceList(items=self.listing, metadata=V1ListMeta(resource_version=str(self.lists)))
+
+
+class FakeWatch:
+    def __init__(self, api: FakeDiscoveryApi, on_drop):
+        self.api, self.on_drop = api, on_drop
+
+    def stream(self, func, namespace, **kwargs):
+        assert kwargs["resource_version"] == str(self.api.lists)
+        yield from self.api.events
+        self.api.events = []
+        self.on_drop()
+        raise ConnectionError("watch connection dropped")  # the loop must re-list and carry on
+
+
+def test_watch_lists_then_follows_events_and_survives_a_dropped_watch():
+    import time
+
+    api = FakeDiscoveryApi([_slice("s1", [("10.0.0.1", "pod-a", True)])],
+                           [{"type": "MODIFIED", "object": _slice("s1", [("10.0.0.1", "pod-a", False)])},
+                            {"type": "ADDED", "object": _slice("s2", [("10.0.0.2", "pod-b", True)])}])
+    a, b = _info("pod-a", "10.0.0.1"), _info("pod-b", "10.0.0.2")
+    d = EndpointSliceDiscovery("schedulers", namespace="ns")
+    views = []
+    d.start(api, lambda: FakeWatch(api, lambda: views.append((d.allows(a), d.allows(b)))))
+    deadline = time.monotonic() + 5
+    while api.lists < 3:  # listed, watched, lost the watch, listed again (and again)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    d.stop()
+    assert views[0] == (False, True)  # the watch's events were applied
+    assert d.allows(a) and not d.allows(b)  # after the re-list, the view is the list's again
