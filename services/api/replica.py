@@ -102,6 +102,8 @@ class Replica:
         if (info.block_size, info.num_kv_blocks, info.model_id) != (old.block_size, old.num_kv_blocks, old.model_id):
             # Another geometry means new block tables: only a fresh scheduler process can adopt it.
             raise GeometryChangedError(f"engine came back with another model or KV geometry ({info})")
-        self.core.fail_all("engine restarted")  # nothing is in flight; this clears the prefix cache
+        # Nothing is in flight; this clears the prefix cache. Run on the engine loop's thread, the only
+        # one that may touch the core.
+        self.engine.call(self.core.fail_all, "engine restarted")
         for hook in self.on_engine_reset:
             hook()

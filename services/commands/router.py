@@ -9,7 +9,7 @@ import logging
 from services.api.server import make_server, run_servers
 from services.block_hash import model_hash_seed
 from services.model_source import DEFAULT_MODEL_NAME, resolve_model
-from services.registry.redis_sink import connect
+from services.registry.redis_sink import connect, redacted
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys
 from services.router.prompt_tokenizer import PromptTokenizer
@@ -56,6 +56,6 @@ def run(args) -> int:
         replica_filter.start()
     service = build_router(args, RedisIndex(connect(args.redis_url)), replica_filter)
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)
-    log.info("router on %s:%d, policy %s, registry %s", args.host, args.port, args.policy, args.redis_url)
+    log.info("router on %s:%d, policy %s, registry %s", args.host, args.port, args.policy, redacted(args.redis_url))
     asyncio.run(run_servers([server]))
     return 0

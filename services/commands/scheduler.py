@@ -61,7 +61,7 @@ async def _main(args) -> None:
         log.info("replica ready: model %s, %d KV blocks", service.model_name, service.replica.core.info.num_kv_blocks)
         tasks = [service.replica.supervise()]
         if args.redis_url:
-            from services.registry.redis_sink import RedisSink, connect
+            from services.registry.redis_sink import RedisSink, connect, redacted
 
             replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
             url = args.advertise_url or default_advertise_url(args.host, args.port)
@@ -69,7 +69,7 @@ async def _main(args) -> None:
                                     args.heartbeat_interval)
             publishers.append(pub)
             tasks.append(pub.run())
-            log.info("registered as %s at %s in %s", replica_id, url, args.redis_url)
+            log.info("registered as %s at %s in %s", replica_id, url, redacted(args.redis_url))
         await asyncio.gather(*tasks)
 
     try:

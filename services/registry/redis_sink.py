@@ -14,6 +14,20 @@ from services.registry.model import BlockDelta, ReplicaState
 _CHUNK = 2000  # hashes per SADD/SREM: keeps single commands small
 
 
+def redacted(redis_url: str) -> str:
+    """The URL with any password replaced, for logs (the password comes from a Kubernetes Secret)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(redis_url)
+    if parts.password is None:
+        return redis_url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def connect(redis_url: str) -> Redis:
     """A client with short timeouts: a dead Redis must cost a routing decision milliseconds, not seconds."""
     return Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=5)

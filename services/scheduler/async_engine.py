@@ -66,6 +66,22 @@ class AsyncEngine:
         self._ops.append(("abort", request_id))
         self._wake.set()
 
+    def call(self, fn, *args, timeout: float | None = 60.0):
+        """Run `fn(*args)` on the loop thread between steps and return its result (blocking).
+
+        For work that must touch the core from another thread, e.g. resetting the prefix cache after
+        the engine restarted. Never call it from the loop thread itself.
+        """
+        done = threading.Event()
+        box: dict = {}
+        self._ops.append(("call", fn, args, done, box))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"engine loop did not run {getattr(fn, '__name__', fn)} within {timeout}s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
     def stats(self) -> SchedulerStats:
         """Snapshot taken after the latest step (never blocks on a running step)."""
         return self._stats
@@ -105,6 +121,13 @@ class AsyncEngine:
                 except Exception as e:  # never let one bad request stop the loop
                     log.exception("request %s could not be queued", rid)
                     self._deliver(rid, e)
+            elif op[0] == "call":
+                _, fn, args, done, box = op
+                try:
+                    box["result"] = fn(*args)
+                except Exception as e:  # handed to the caller, which decides what it means
+                    box["error"] = e
+                done.set()
             else:
                 out = core.abort_request(op[1])
                 if out is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from services.block_hash import model_hash_seed
@@ -48,7 +49,9 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.max_model_len = min(max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.hash_seed = model_hash_seed(self.info.model_id, self.info.block_size)
-        self._events: list[KVEvent] | None = [] if collect_kv_events else None
+        # A deque: the loop thread appends while the registry publisher drains from another thread, and
+        # deque.append / popleft are atomic, so no event is lost between the two.
+        self._events: deque[KVEvent] | None = deque() if collect_kv_events else None
         self.pool = BlockPool(self.info.num_kv_blocks, enable_prefix_caching,
                               on_event=self._record_event if self._events is not None else None)
         watermark = max(1, self.info.num_kv_blocks // 100)
@@ -226,8 +229,12 @@ class EngineCore:
         self._events.append(event)
 
     def drain_kv_events(self) -> list[KVEvent]:
-        """Events since the last call. Safe from another thread: the list is swapped, never copied."""
+        """Events since the last call, oldest first. Safe to call from another thread."""
+        events: list[KVEvent] = []
         if self._events is None:
-            return []
-        events, self._events = self._events, []
-        return events
+            return events
+        while True:
+            try:
+                events.append(self._events.popleft())
+            except IndexError:
+                return events

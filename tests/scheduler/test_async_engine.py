@@ -92,3 +92,25 @@ def test_engine_failure_ends_in_flight_requests_and_loop_survives(engine):
     assert first.finished and first.outputs[0].finish_reason == "error" and "engine went away" in first.error
     assert after.outputs[0].finish_reason == "length" and len(after.outputs[0].token_ids) == 4
     assert engine.core.pool.num_in_use == 0
+
+
+def test_call_runs_on_the_loop_thread(engine):
+    import threading
+
+    seen = engine.call(lambda: threading.current_thread().name)
+    assert seen == "engine-loop"
+    with pytest.raises(ZeroDivisionError):
+        engine.call(lambda: 1 / 0)
+    assert engine.call(engine.core.fail_all, "reset") == []
+
+
+def test_kv_events_drain_across_threads(engine):
+    async def main():
+        for i in range(5):
+            async for _ in engine.generate(f"e{i}", [50 + i] * 12, greedy(6)):
+                pass
+
+    asyncio.run(main())
+    stored = [h for e in engine.core.drain_kv_events() if e.kind == "stored" for h in e.block_hashes]
+    assert len(stored) == len(set(stored)) >= 5 * 3
+    assert engine.core.drain_kv_events() == []
