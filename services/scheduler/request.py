@@ -40,7 +40,7 @@ class Request:
 
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
-                 "logprobs", "forked", "detokenizer", "num_preemptions")
+                 "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -62,6 +62,7 @@ class Request:
         self.forked = params.n == 1  # True once the n samples exist
         self.detokenizer = None
         self.num_preemptions = 0
+        self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,10 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.output import ScheduledSequence, SchedulerOutput
 from services.scheduler.request import Request, RequestStatus
 
+# A request waits at most this many steps for blocks another request is computing (bounded, so FCFS
+# admission never turns into starvation).
+MAX_PREFIX_DEFERRALS = 8
+
 
 @dataclass
 class SchedulerConfig:
@@ -98,12 +102,22 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
 
-        # 3. Admit waiting requests, first come first served; none after a preemption this step.
+        # 3. Admit waiting requests, first come first served; none after a preemption this step. A request
+        #    whose next prompt block another request is computing right now waits a step or two (keeping
+        #    its place at the head) and then reuses those blocks instead of computing them again.
+        pending = self._blocks_in_flight()
+        deferred: list[Request] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
-            num_cached = len(cached) * self.kv.block_size
+            nxt = len(cached)
+            if (nxt < len(req.block_hashes) and req.block_hashes[nxt] in pending
+                    and req.num_deferrals < MAX_PREFIX_DEFERRALS):
+                req.num_deferrals += 1
+                deferred.append(self.waiting.popleft())
+                continue
+            num_cached = nxt * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached=cached, watermark=True):
                 if not self.running and not scheduled:
@@ -119,6 +133,8 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+            pending.update(req.block_hashes[nxt:])
+        self.waiting.extendleft(reversed(deferred))
 
         self._scheduled = scheduled
         self._step += 1
@@ -142,6 +158,17 @@ class Scheduler:
             sample_index=req.sample_index,
             output_index=req.num_output_tokens,
         )
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of the prompt blocks that running prefills have not computed yet."""
+        if not self.kv.pool.enable_caching:
+            return set()
+        bs = self.kv.block_size
+        pending: set[int] = set()
+        for req in self.running:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                pending.update(req.block_hashes[req.num_computed_tokens // bs:])
+        return pending
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

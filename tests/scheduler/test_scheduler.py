@@ -221,3 +221,24 @@ def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field and field in str(e.value)
+
+
+def test_request_waits_for_a_prefix_being_computed_instead_of_recomputing_it(tokenizer):
+    core, ex = make_core(tokenizer, block_size=4, budget=256)
+    shared = list(range(100, 140))  # 10 full blocks
+    core.add_request("first", shared + [7, 8], greedy(3))
+    core.add_request("second", shared + [9, 10, 11], greedy(3))  # same prefix, arrives in the same step
+    core.add_request("other", list(range(500, 520)), greedy(3))  # unrelated: not held back
+    outs = run_all(core)
+    first_step = {s.seq_id for s in ex.steps[0].sequences}
+    assert first_step == {"first", "other"}, "second waits while first computes the shared blocks"
+    assert outs["second"].num_cached_tokens == 40
+    second = next(s for o in ex.steps for s in o.sequences if s.seq_id == "second")
+    assert second.start_pos == 40 and len(second.token_ids) == 3
+    assert outs["second"].outputs[0].token_ids == run_alone(tokenizer, shared + [9, 10, 11], 3)
+
+
+def run_alone(tokenizer, prompt, n):
+    core, _ = make_core(tokenizer, block_size=4, budget=256, caching=False)
+    core.add_request("x", prompt, greedy(n))
+    return run_all(core)["x"].outputs[0].token_ids
