@@ -3,7 +3,9 @@
 // Arithmetic is float32; storage keeps the tensors' dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 template <typename T>
 static void add_rms_norm_kernel(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t dim,
@@ -105,6 +107,58 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     silu_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter,
                               gate_up.stride(0));
+  });
+  return out;
+}
+
+// Greedy sampling: index of the largest logit of each row (the first one on ties), read once in the
+// logits' own dtype. Replaces logits.float().max(-1), which writes a float32 copy of the whole matrix.
+template <typename T>
+static inline void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  // A 16-bit shift: this form vectorises, c10::BFloat16's conversion operator does not.
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <typename T>
+static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t cols, int64_t row_s) {
+  constexpr int64_t kChunk = 1024;
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    float buf[kChunk];
+    for (int64_t r = b; r < e; ++r) {
+      const T* row = x + r * row_s;
+      float best = -INFINITY;
+      int64_t best_chunk = 0;
+      for (int64_t c = 0; c < cols; c += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c);
+        widen(row + c, buf, n);
+        float m = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
+        if (m > best) { best = m; best_chunk = c; }  // strict: keeps the first chunk on ties
+      }
+      const int64_t n = std::min(kChunk, cols - best_chunk);
+      widen(row + best_chunk, buf, n);
+      int64_t at = best_chunk;
+      for (int64_t i = 0; i < n; ++i) {
+        if (buf[i] == best) { at = best_chunk + i; break; }
+      }
+      out[r] = at;
+    }
+  });
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits must be 2-D with contiguous rows");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    argmax_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1),
+                                 x.stride(0));
   });
   return out;
 }

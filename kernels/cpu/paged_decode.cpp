@@ -327,10 +327,12 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
 void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                   int64_t rotated_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up buffer");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
 }

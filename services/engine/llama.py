@@ -91,7 +91,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits for the rows in `sample_idx` only."""
+        """Returns logits (in the model's dtype) for the rows in `sample_idx` only."""
         c = self.config
         eps = c.rms_norm_eps
         fused = self.fused
@@ -127,4 +127,4 @@ class LlamaModel:
                 act = F.silu(gate) * up
             delta = layer["down"](act)
         h = h.index_select(0, sample_idx) + delta.index_select(0, sample_idx)
-        return self.lm_head(rms_norm(h, self.norm, eps)).float()
+        return self.lm_head(rms_norm(h, self.norm, eps))

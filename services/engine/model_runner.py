@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import kernels.cpu as cpu_kernels
 from services.engine.attention import AttentionMetadata
 from services.engine.model_loader import load_llama
 from services.engine.sampler import Sampler, SampleRow
@@ -87,7 +88,8 @@ class ModelRunner:
         arena.zero_()
         self.kv_caches = [(arena[i, 0], arena[i, 1]) for i in range(cfg.num_layers)]
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.sampler = Sampler(self.device)
+        fast = cpu_kernels.load() if self.device.type == "cpu" and self.dtype != torch.float32 else None
+        self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None)
         is_default = model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
         self.info = EngineInfo(
             model_id=model_id or (DEFAULT_MODEL_NAME if is_default else self.model_dir.name),

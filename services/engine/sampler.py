@@ -29,17 +29,23 @@ def _row_seed(seed: int, sample_index: int, output_index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fast_argmax=None):
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.seed()
+        # CPU: argmax straight on half-precision logits (kernels.cpu), no float32 copy of the matrix.
+        self._fast_argmax = fast_argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: float32 [len(rows), vocab]. Returns token ids and, where asked, log-probabilities."""
+        """logits: [len(rows), vocab], any float dtype. Returns token ids and, where asked, log-probabilities."""
         n = len(rows)
-        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0.0]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0.0]
+        want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
+        if len(greedy) == n and not want and self._fast_argmax is not None and logits.dtype != torch.float32:
+            return self._fast_argmax(logits.contiguous()).tolist(), [None] * n
+        logits = logits.float()
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         if len(greedy) == n:
             tokens = logits.max(dim=-1).indices  # max() is several times faster than argmax() on the CPU
         else:
@@ -50,7 +56,6 @@ class Sampler:
             tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * n
-        want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
         if want:
             wi = torch.tensor(want, device=logits.device)
             lp = torch.log_softmax(logits.index_select(0, wi), dim=-1)

@@ -80,3 +80,13 @@ def test_fused_rope_and_silu_mul(ext, gen):
     gu = torch.randn(T, 2 * 96, generator=gen)
     gate, up = gu.chunk(2, dim=-1)
     assert rel_err(ext.silu_mul(gu), F.silu(gate) * up) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_rows_matches_torch_and_takes_the_first_tie(ext, gen, dtype):
+    x = torch.randn(9, 3000, generator=gen).to(dtype)
+    x[4] = 0
+    x[4, 2500] = x[4, 1700] = 1  # a tie across chunks: the first one wins
+    x[5, :] = -1
+    assert ext.argmax_rows(x).tolist() == [*x[:4].float().max(-1).indices.tolist(), 1700, 0,
+                                           *x[6:].float().max(-1).indices.tolist()]
