@@ -35,6 +35,7 @@ static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 constexpr bool kHaveAvx512 = true;
+constexpr int64_t kPrefetch = 16;  // rows ahead to prefetch in the value pass
 
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * p(f), p a degree-6
 // polynomial of 2^f on [-0.5, 0.5] (relative error ~1e-7). Scalar std::exp cost more than the dots.
@@ -91,6 +92,12 @@ static inline void softmax_values(const T* vc, const int32_t* table, int64_t L, 
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+    if (t + kPrefetch < L) {  // blocks sit at random addresses: hardware prefetchers stop at each one
+      const char* ahead = reinterpret_cast<const char*>(
+          vc + table[(t + kPrefetch) / BS] * c_s0 + ((t + kPrefetch) % BS) * c_s1 + h_off);
+      for (int64_t off = 0; off < static_cast<int64_t>(C * 16 * sizeof(T)); off += 64)
+        _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -162,6 +169,10 @@ static void attend_group_bf16(const float* qf, const c10::BFloat16* kc, const c1
     for (int j = 0; j < n; ++j) {
       const int64_t t = t0 + j;
       rows[j] = kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
+      if (t + 16 < L) {  // next group's rows, one block ahead
+        const char* ahead = reinterpret_cast<const char*>(kc + table[(t + 16) / BS] * c_s0 + ((t + 16) % BS) * c_s1 + h_off);
+        for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      }
     }
     for (int g = 0; g < G; ++g) {
       for (int j = 0; j < n; ++j) {
