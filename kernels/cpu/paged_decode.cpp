@@ -218,6 +218,19 @@ static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const i
 }
 #endif
 
+// Normalised softmax of each of the G score rows, in place (the portable paths).
+static inline void softmax_rows(float* scores, int64_t G, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * L;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); total += sc[t]; }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+  }
+}
+
 // One (sequence, KV head) task: the G query heads of the group attend over the sequence's blocks.
 // Two passes (scores, then weighted values) over rows read in place from the cache.
 template <typename T>
@@ -239,15 +252,7 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
         scores[g * L + t] = _mm512_reduce_add_ps(sum);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sc = scores + g * L;
-      float m = -INFINITY;
-      for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
-      float total = 0.f;
-      for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); total += sc[t]; }
-      const float inv = 1.f / total;
-      for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
-    }
+    softmax_rows(scores, G, L);
     std::fill(acc, acc + G * D, 0.f);
     for (int64_t t = 0; t < L; ++t) {
       const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
@@ -272,14 +277,7 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
       scores[g * L + t] = dot;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sc = scores + g * L;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
-    float total = 0.f;
-    for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); total += sc[t]; }
-    for (int64_t t = 0; t < L; ++t) sc[t] /= total;
-  }
+  softmax_rows(scores, G, L);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     to_float(vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
