@@ -27,7 +27,7 @@ VARIANTS = {
 def test_greedy_matches_transformers(variant, tmp_path):
     arch, overrides = VARIANTS[variant]
     model_dir = make_tiny_model(tmp_path / variant, arch, **overrides)
-    rng = random.Random()
+    rng = random.Random(sum(map(ord, variant)))  # fixed per variant: exact equality, no lucky draws
     prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (3, 17, 40, 150, 260)]
     llm = LLM(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=30,
               max_num_batched_tokens=64)

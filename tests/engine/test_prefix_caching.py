@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_cached_prefix_skips_prefill_and_keeps_output(smollm2_fp32):
     llm = smollm2_fp32
-    rng = random.Random()
+    rng = random.Random(2026)  # fixed: an exact-equality test must not depend on a lucky draw
     prefix = [rng.randrange(100, 49152) for _ in range(512)]
     warm = prefix + [rng.randrange(100, 49152) for _ in range(7)]
     probe = prefix + [rng.randrange(100, 49152) for _ in range(20)]
