@@ -28,6 +28,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor | None  # [num_prefill_seqs] int32
     # (q_start, q_end, context_len) per prefill sequence, relative to num_decode, as Python ints.
     prefill_spans: list[tuple[int, int, int]] | None = None
+    step_cache: dict | None = None  # per-step scratch shared by all layers (CPU prefill masks)
 
 
 class PagedAttention:
@@ -41,7 +42,7 @@ class PagedAttention:
     def _run_prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not self.on_cuda and meta.prefill_spans is not None:
             return prefill_attention_cpu(q, k, v, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans,
-                                         scale)
+                                         scale, meta.step_cache)
         return self.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
                             meta.prefill_context_lens, scale)
 

@@ -16,8 +16,13 @@ from kernels.reference import prefill_attention_ref
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor,
-                          spans: list[tuple[int, int, int]], scale: float) -> torch.Tensor:
-    """q/k/v: the new tokens of the prefill sequences, flattened; spans: (start, end, context_len)."""
+                          spans: list[tuple[int, int, int]], scale: float,
+                          step_cache: dict | None = None) -> torch.Tensor:
+    """q/k/v: the new tokens of the prefill sequences, flattened; spans: (start, end, context_len).
+
+    `step_cache` (one dict per step, shared by all layers) keeps each continuation's block index and
+    causal mask, which are the same in every layer, so they are built once per step, not once per layer.
+    """
     out = torch.empty_like(q)
     gqa = k.shape[1] != q.shape[1]
     continuing = []
@@ -29,9 +34,27 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             out[start:end] = o.transpose(0, 1)
         else:
             continuing.append(i)
+    if step_cache is None:
+        for i in continuing:
+            start, end, ctx = spans[i]
+            out[start:end] = prefill_attention_ref(q[start:end], k_cache, v_cache, block_tables[i:i + 1],
+                                                   block_tables.new_tensor([0, end - start]),
+                                                   block_tables.new_tensor([ctx]), scale)
+        return out
+    block_size, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     for i in continuing:
         start, end, ctx = spans[i]
-        out[start:end] = prefill_attention_ref(q[start:end], k_cache, v_cache, block_tables[i:i + 1],
-                                               block_tables.new_tensor([0, end - start]),
-                                               block_tables.new_tensor([ctx]), scale)
+        entry = step_cache.get(i)
+        if entry is None:
+            num_blocks = -(-ctx // block_size)
+            q_len = end - start
+            # New token j sits at position ctx - q_len + j and sees positions <= that.
+            mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+            entry = step_cache[i] = (block_tables[i, :num_blocks].long(), mask)
+        blocks, mask = entry
+        keys = k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].transpose(0, 1)
+        values = v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys[None], values[None],
+                                           attn_mask=mask, scale=scale, enable_gqa=gqa)[0]
+        out[start:end] = o.transpose(0, 1)
     return out

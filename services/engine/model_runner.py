@@ -150,6 +150,7 @@ class ModelRunner:
                                   if prefills else None),
             prefill_spans=[(q_starts[i], q_starts[i + 1], s.start_pos + len(s.token_ids))
                            for i, s in enumerate(prefills)],
+            step_cache={},
         )
         # Rows to sample: the last token of each sequence that samples, once per requested sample.
         sample_idx: list[int] = []

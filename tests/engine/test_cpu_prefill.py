@@ -24,5 +24,12 @@ def test_mixed_fresh_and_continuing_prefills(block_size):
             p = ctx - (e - s) + j
             block = inp.block_tables[i, p // block_size].item()
             k[s + j], v[s + j] = inp.k_cache[block, p % block_size], inp.v_cache[block, p % block_size]
+    dense = dense_attention(inp)
     out = prefill_attention_cpu(inp.q, k, v, inp.k_cache, inp.v_cache, inp.block_tables, spans, inp.scale)
-    assert rel_err(out, dense_attention(inp)) <= 1e-5
+    assert rel_err(out, dense) <= 1e-5
+    step_cache: dict = {}
+    for _ in range(2):  # the second call (the next layer) reuses the step's masks and block indices
+        out = prefill_attention_cpu(inp.q, k, v, inp.k_cache, inp.v_cache, inp.block_tables, spans, inp.scale,
+                                    step_cache)
+        assert rel_err(out, dense) <= 1e-5
+    assert len(step_cache) == 3  # the three continuing sequences
