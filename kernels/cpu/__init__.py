@@ -11,7 +11,17 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCES = [str(Path(__file__).with_name(n)) for n in ("paged_decode.cpp", "fused_ops.cpp")]
+_HERE = Path(__file__).parent
+_SOURCES = [str(_HERE / n) for n in ("paged_decode.cpp", "fused_ops.cpp")]
+_HEADERS = [_HERE / "widen.h"]
+
+
+def _build_name() -> str:
+    # torch's build cache notices edited sources but not headers: name the build after all of them.
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in [*_SOURCES, *_HEADERS])).hexdigest()[:10]
+    return f"pagedserve_cpu_kernels_{digest}"
 _module = None
 _failed = False
 
@@ -27,7 +37,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_ext
 
-        _module = load_ext(name="pagedserve_cpu_kernels", sources=_SOURCES,
+        _module = load_ext(name=_build_name(), sources=_SOURCES, extra_include_paths=[str(_HERE)],
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags: keep serving on the references

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "widen.h"
+
 template <typename T>
 static void add_rms_norm_kernel(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t dim,
                                 int64_t h_s, int64_t d_s, int64_t o_s, float eps) {
@@ -113,19 +115,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // Greedy sampling: index of the largest logit of each row (the first one on ties), read once in the
 // logits' own dtype. Replaces logits.float().max(-1), which writes a float32 copy of the whole matrix.
-template <typename T>
-static inline void widen(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <>
-inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  // A 16-bit shift: this form vectorises, c10::BFloat16's conversion operator does not.
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
-
 template <typename T>
 static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t cols, int64_t row_s) {
   constexpr int64_t kChunk = 1024;

@@ -8,19 +8,7 @@
 #include <type_traits>
 #include <vector>
 
-// Widen one row to float32. The bfloat16 case is a 16-bit shift, written so the compiler vectorises it
-// (c10::BFloat16's own conversion does not vectorise).
-template <typename T>
-static inline void to_float(const T* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <>
-inline void to_float<c10::BFloat16>(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
+#include "widen.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -34,7 +22,6 @@ static inline __m512 load16(const c10::BFloat16* p) {
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-constexpr bool kHaveAvx512 = true;
 constexpr int64_t kPrefetch = 32;  // rows ahead to prefetch in the value pass (two key groups ahead too)
 
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * p(f), p a degree-6
@@ -75,8 +62,6 @@ static inline float softmax_unnormalised(float* sc, int64_t L) {
   }
   return 1.f / _mm512_reduce_add_ps(vs);
 }
-#else
-constexpr bool kHaveAvx512 = false;
 #endif
 
 #if defined(__AVX512F__)
@@ -270,7 +255,7 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
   }
 #endif
   for (int64_t t = 0; t < L; ++t) {
-    to_float(kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
+    widen(kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * row[d];
@@ -280,7 +265,7 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
   softmax_rows(scores, G, L);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    to_float(vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
+    widen(vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + t] * row[d];
   }
@@ -299,7 +284,7 @@ static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T
       const int64_t s = task / Hk, h = task % Hk;
       const int64_t L = cl[s];
       for (int64_t g = 0; g < G; ++g) {
-        to_float(q + s * q_s0 + (h * G + g) * q_s1, qf.data() + g * D, D);
+        widen(q + s * q_s0 + (h * G + g) * q_s1, qf.data() + g * D, D);
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
       }
       scores.resize(G * L);

@@ -50,6 +50,3 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
-
-def decode_all(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -105,7 +105,7 @@ class Scheduler:
         # 3. Admit waiting requests, first come first served; none after a preemption this step. A request
         #    whose next prompt block another request is computing right now waits a step or two (keeping
         #    its place at the head) and then reuses those blocks instead of computing them again.
-        pending = self._blocks_in_flight()
+        pending = self._blocks_in_flight() if self.waiting else set()
         deferred: list[Request] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
