@@ -12,8 +12,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
-_SOURCES = [str(_HERE / n) for n in ("paged_decode.cpp", "fused_ops.cpp")]
-_HEADERS = [_HERE / "widen.h"]
+_SOURCES = [str(_HERE / n) for n in ("paged_decode.cpp", "amx_decode.cpp", "fused_ops.cpp")]
+_HEADERS = [_HERE / "widen.h", _HERE / "simd_exp.h"]
 
 
 def _build_name() -> str:
@@ -43,6 +43,9 @@ def load():
     except Exception as e:  # no compiler, no ninja, unsupported flags: keep serving on the references
         log.warning("CPU attention kernels unavailable (%s); using the PyTorch references", e)
         _failed = True
+        return None
+    if os.environ.get("PAGEDSERVE_CPU_AMX", "1") == "0":
+        _module.set_amx_enabled(False)
     return _module
 
 

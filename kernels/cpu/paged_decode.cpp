@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "widen.h"
+#include "simd_exp.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -23,22 +24,6 @@ static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 constexpr int64_t kPrefetch = 32;  // rows ahead to prefetch in the value pass (two key groups ahead too)
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * p(f), p a degree-6
-// polynomial of 2^f on [-0.5, 0.5] (relative error ~1e-7). Scalar std::exp cost more than the dots.
-static inline __m512 exp512(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.54035304e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // In place: sc[t] = exp(sc[t] - max); returns 1 / sum.
 static inline float softmax_unnormalised(float* sc, int64_t L) {
@@ -298,6 +283,14 @@ static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T
   });
 }
 
+// Defined in amx_decode.cpp: the tile-unit path for bfloat16, false when it cannot run here.
+bool paged_decode_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                      const int32_t* bt, const int32_t* cl, c10::BFloat16* out, int64_t S, int64_t Hq, int64_t Hk,
+                      int64_t D, int64_t BS, int64_t MB, int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1,
+                      int64_t c_s2, int64_t o_s0, int64_t o_s1, float scale);
+bool set_amx_enabled(bool enabled);
+bool amx_available();
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be 3-D and the caches 4-D");
@@ -307,6 +300,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty_like(q);
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), MB = block_tables.size(1);
+  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+      paged_decode_amx(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                       block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                       out.data_ptr<at::BFloat16>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
+                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+                       static_cast<float>(scale)))
+    return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
@@ -326,6 +326,8 @@ torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("set_amx_enabled", &set_amx_enabled, "allow the AMX decode path (returns the previous setting)");
+  m.def("amx_available", &amx_available, "whether this build and CPU can run the AMX decode path");
   m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up buffer");

@@ -50,6 +50,32 @@ def test_decode_strided_query(ext, gen):
     assert rel_err(decode_attention_cpu(strided, *inp.decode_args()[1:]), dense_attention(inp)) <= 1e-5
 
 
+@pytest.fixture
+def amx(ext):
+    if not ext.amx_available():
+        pytest.skip("this CPU or kernel offers no AMX tiles")
+    previous = ext.set_amx_enabled(True)
+    yield ext
+    ext.set_amx_enabled(previous)
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (64, 1, 16), (128, 8, 32), (64, 16, 16),
+                                                       (128, 2, 16)])
+@pytest.mark.parametrize("lens,shared_blocks", [
+    ([1, 15, 16, 17, 70, 71, 259, 300, 1100], 0),
+    ([1, 15, 16, 17, 70, 71, 259, 300, 1100], 1),  # a one-token context shares with everyone
+    ([300, 301, 302, 303, 310, 320, 400, 401, 287, 290, 1100], 8),  # units of several sequences
+], ids=["private", "short-shared", "long-shared"])
+def test_amx_decode_matches_dense_and_the_avx_kernel(amx, gen, head_dim, group, block_size, lens, shared_blocks):
+    inp = make_paged_inputs(lens, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+                            dtype=torch.bfloat16, shared_blocks=shared_blocks, poison_unused=True, generator=gen)
+    out = decode_attention_cpu(*inp.decode_args())
+    assert not out.isnan().any()  # no NaN slot past a context leaks in, not even as 0 * NaN
+    assert rel_err(out, dense_attention(inp)) <= 1e-2
+    amx.set_amx_enabled(False)
+    assert rel_err(out, decode_attention_cpu(*inp.decode_args())) <= 1e-2
+
+
 def test_fused_add_rms_norm(ext, gen):
     from services.engine.llama import rms_norm
 
