@@ -10,6 +10,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [str(_HERE / n) for n in ("paged_decode.cpp", "amx_decode.cpp", "fused_ops.cpp")]
@@ -56,3 +58,13 @@ def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale:
 
         return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     return mod.paged_decode(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale)
+
+
+def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
+    mod = load()
+    if mod is None or slot_mapping.dtype != torch.long:
+        from kernels.reference import write_kv_ref
+
+        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        return
+    mod.write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -6,14 +6,61 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "widen.h"
+#include "simd_exp.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+// bfloat16 <-> float32 lanes; the narrowing rounds to nearest even, as c10::BFloat16 does.
+static inline __m512 bf16_load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+static inline void bf16_store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+static inline __m512 bf16_round(__m512 x) {  // x rounded to bfloat16 and widened back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The bfloat16 rows sixteen lanes at a time, with the same two roundings as the scalar code.
+static bool add_rms_norm_row_bf16(c10::BFloat16* hr, const c10::BFloat16* dr, const c10::BFloat16* w,
+                                  c10::BFloat16* orow, int64_t dim, float eps) {
+  if (dim % 16) return false;
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    __m512 x = bf16_load16(hr + i);
+    if (dr) {
+      x = bf16_round(_mm512_add_ps(x, bf16_load16(dr + i)));
+      bf16_store16(hr + i, x);
+    }
+    ss = _mm512_fmadd_ps(x, x, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / dim + eps));
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __m512 normed = bf16_round(_mm512_mul_ps(bf16_load16(hr + i), inv));
+    bf16_store16(orow + i, _mm512_mul_ps(bf16_load16(w + i), normed));
+  }
+  return true;
+}
+#endif
 
 template <typename T>
 static void add_rms_norm_kernel(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t dim,
                                 int64_t h_s, int64_t d_s, int64_t o_s, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same<T, c10::BFloat16>::value) {
+        if (add_rms_norm_row_bf16(h + r * h_s, delta ? delta + r * d_s : nullptr, w, out + r * o_s, dim, eps))
+          continue;
+      }
+#endif
       T* hr = h + r * h_s;
       float ss = 0.f;
       if (delta) {
@@ -66,6 +113,19 @@ static void rope_kernel(T* qkv, const int64_t* pos, const float* cos, const floa
       const float* s = sin + pos[r] * half;
       for (int64_t hd = 0; hd < heads; ++hd) {
         T* x = qkv + r * row_s + hd * D;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same<T, c10::BFloat16>::value) {
+          if (half % 16 == 0) {
+            for (int64_t i = 0; i < half; i += 16) {
+              const __m512 x1 = bf16_load16(x + i), x2 = bf16_load16(x + i + half);
+              const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+              bf16_store16(x + i, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)));
+              bf16_store16(x + i + half, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)));
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
           x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
@@ -94,7 +154,21 @@ static void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t inter, in
       const T* g = gu + r * gu_s;
       const T* u = g + inter;
       T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same<T, c10::BFloat16>::value) {
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= inter; i += 16) {
+          const __m512 x = bf16_load16(g + i);
+          // -x capped at 88 keeps exp finite (silu(x) is -0 there anyway): an infinite denominator turns
+          // into NaN once -ffast-math lets the compiler divide by reciprocal and Newton step.
+          const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.f)));
+          const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
+          bf16_store16(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), bf16_load16(u + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
         o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
       }
@@ -111,6 +185,38 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
                               gate_up.stride(0));
   });
   return out;
+}
+
+// New keys and values into their cache slots (slot -1: padding, skipped), one row copy per token and
+// tensor: index_copy_ plus the padding check cost several times more at decode batch sizes.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "k, v and the caches must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads must match the cache");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
+              slots.is_contiguous(), "slot_mapping: int64 [T]");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i)
+    TORCH_CHECK(sl[i] >= -1 && sl[i] < num_slots, "slot ", sl[i], " of token ", i, " outside the cache (",
+                num_slots, " slots)");
+  const int64_t esz = k.element_size(), row = H * D * esz;
+  const char* kb = static_cast<const char*>(k.data_ptr());
+  const char* vb = static_cast<const char*>(v.data_ptr());
+  char* kcb = static_cast<char*>(k_cache.data_ptr());
+  char* vcb = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t i = 0; i < T; ++i) {
+    if (sl[i] < 0) continue;
+    for (int64_t hd = 0; hd < H; ++hd) {
+      std::memcpy(kcb + sl[i] * row + hd * D * esz, kb + (i * k.stride(0) + hd * k.stride(1)) * esz, D * esz);
+      std::memcpy(vcb + sl[i] * row + hd * D * esz, vb + (i * v.stride(0) + hd * v.stride(1)) * esz, D * esz);
+    }
+  }
 }
 
 // Greedy sampling: index of the largest logit of each row (the first one on ties), read once in the

@@ -323,6 +323,7 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                   int64_t rotated_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
@@ -331,5 +332,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up buffer");
+  m.def("write_kv", &write_kv, "new keys and values into their cache slots (-1 skipped)");
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
 }

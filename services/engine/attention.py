@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from kernels.cpu import decode_attention_cpu
+from kernels.cpu import decode_attention_cpu, write_kv_cpu
 from services.engine.cpu_prefill import prefill_attention_cpu
 
 
@@ -34,7 +34,7 @@ class AttentionMetadata:
 class PagedAttention:
     def __init__(self, device: torch.device):
         on_cuda = device.type == "cuda"
-        self.write_kv = kernels.write_kv if on_cuda else kernels.write_kv_ref
+        self.write_kv = kernels.write_kv if on_cuda else write_kv_cpu
         self.decode = kernels.decode_attention if on_cuda else decode_attention_cpu
         self.on_cuda = on_cuda
         self.prefill = kernels.prefill_attention if on_cuda else kernels.prefill_attention_ref

@@ -108,6 +108,42 @@ def test_fused_rope_and_silu_mul(ext, gen):
     assert rel_err(ext.silu_mul(gu), F.silu(gate) * up) <= 1e-6
 
 
+def test_fused_ops_bfloat16_vector_paths(ext, gen):
+    from services.engine.rope import RotaryEmbedding
+
+    heads, kv, d, T = 9, 3, 64, 37
+    rope = RotaryEmbedding(d, 2048, 10000.0, None, torch.float32, torch.device("cpu"))
+    qkv = torch.randn(T, (heads + 2 * kv) * d, generator=gen).bfloat16()
+    pos = torch.randint(0, 2048, (T,), generator=gen)
+    q_ref, k_ref = rope(pos, qkv[:, :heads * d].float().view(T, heads, d),
+                        qkv[:, heads * d:(heads + kv) * d].float().view(T, kv, d))
+    ext.rope_inplace(qkv, pos, rope.cos, rope.sin, heads + kv, d)
+    assert rel_err(qkv[:, :heads * d].view(T, heads, d), q_ref) <= 1e-2
+    assert rel_err(qkv[:, heads * d:(heads + kv) * d].view(T, kv, d), k_ref) <= 1e-2
+    gu = torch.randn(T, 2 * 1536, generator=gen)
+    gu[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # exp overflow / underflow at the extremes
+    gu = gu.bfloat16()
+    gate, up = gu.float().chunk(2, dim=-1)
+    got = ext.silu_mul(gu)
+    assert got.isfinite().all()
+    assert rel_err(got, F.silu(gate) * up) <= 1e-2
+
+
+def test_write_kv_matches_the_reference_and_skips_padding(ext, gen):
+    from kernels.cpu import write_kv_cpu
+    from kernels.reference import write_kv_ref
+
+    qkv = torch.randn(6, 4 * 64, generator=gen).bfloat16()  # k and v as strided views of a fused buffer
+    k, v = qkv[:, 64:128].view(6, 1, 64), qkv[:, 128:192].view(6, 1, 64)
+    caches = [torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.tensor([5, 63, -1, 0, 17, 40])
+    write_kv_cpu(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_kv_cpu(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 4, 64]))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_argmax_rows_matches_torch_and_takes_the_first_tie(ext, gen, dtype):
     x = torch.randn(9, 3000, generator=gen).to(dtype)
