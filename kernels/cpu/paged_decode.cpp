@@ -289,6 +289,7 @@ bool paged_decode_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
                       int64_t D, int64_t BS, int64_t MB, int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1,
                       int64_t c_s2, int64_t o_s0, int64_t o_s1, float scale);
 bool set_amx_enabled(bool enabled);
+bool amx_decode_usable(int64_t G, int64_t D, int64_t BS);
 bool amx_available();
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -328,6 +329,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("set_amx_enabled", &set_amx_enabled, "allow the AMX decode path (returns the previous setting)");
+  m.def("amx_decode_usable", &amx_decode_usable, "whether the AMX path takes (group, head_dim, block_size) now");
   m.def("amx_available", &amx_available, "whether this build and CPU can run the AMX decode path");
   m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");

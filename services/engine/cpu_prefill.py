@@ -2,8 +2,11 @@
 
 A prompt computed whole in one step attends only to its own new keys: causal SDPA on them directly,
 no gather back out of the cache. Continuations (a chunk after earlier chunks, or after a prefix-cache
-hit) read their context from the paged cache through the reference, one call per sequence: batching
-them into one padded, masked SDPA call was measured slower here.
+hit) read their context from the paged cache. With AMX (bfloat16) they all go through the decode
+kernel in one call per layer: new token j of a chunk is a query whose context ends at its own position,
+and consecutive tokens of a chunk share every block before them, which the kernel's units read once
+for up to 16 query rows. Otherwise one masked SDPA call per sequence (batching them into one padded,
+masked SDPA call was measured slower here).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import load
 from kernels.reference import prefill_attention_ref
 
 
@@ -34,6 +38,9 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             out[start:end] = o.transpose(0, 1)
         else:
             continuing.append(i)
+    if continuing and _amx_takes(q, k_cache):
+        _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continuing, scale, out, step_cache)
+        return out
     if step_cache is None:
         for i in continuing:
             start, end, ctx = spans[i]
@@ -58,3 +65,27 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                                            attn_mask=mask, scale=scale, enable_gqa=gqa)[0]
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _amx_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
+        return False
+    mod = load()
+    return mod is not None and mod.amx_decode_usable(q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.shape[1])
+
+
+def _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continuing, scale, out, step_cache):
+    """Every new token of every continuation as one decode query over the cache (its KV is written)."""
+    entry = step_cache.get("decodes") if step_cache is not None else None
+    if entry is None:
+        rows, tables, lens = [], [], []
+        for i in continuing:
+            start, end, ctx = spans[i]
+            rows.append(torch.arange(start, end))
+            tables.append(block_tables[i].expand(end - start, -1))
+            lens.append(torch.arange(ctx - (end - start) + 1, ctx + 1, dtype=torch.int32))
+        entry = (torch.cat(rows), torch.cat(tables).contiguous(), torch.cat(lens))
+        if step_cache is not None:
+            step_cache["decodes"] = entry
+    rows, tables, lens = entry
+    out[rows] = load().paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale)
