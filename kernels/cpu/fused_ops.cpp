@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "widen.h"
 #include "simd_exp.h"
@@ -246,6 +247,62 @@ static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t c
       out[r] = at;
     }
   });
+}
+
+// Greedy sampling that a half-precision tie cannot decide: logits rounded to bfloat16 carry one unit
+// in the last place of ~0.1 at typical magnitudes, so two tokens a few hundredths apart in float32 can
+// round to the same value and the lower id would win. Every token within one such unit of the row's
+// maximum is rescored as an exact float32 dot product of the final hidden state and its output-
+// embedding row; the best score wins (the first on ties). Typically a handful of dots per row.
+template <typename T>
+static void argmax_exact_kernel(const T* x, const T* hid, const T* w, int64_t* out, int64_t rows, int64_t cols,
+                                int64_t H, int64_t x_s, int64_t h_s, int64_t w_s) {
+  constexpr int64_t kChunk = 1024;
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(kChunk), hf(H), wf(H);
+    for (int64_t r = b; r < e; ++r) {
+      const T* row = x + r * x_s;
+      float m = -INFINITY;
+      for (int64_t c = 0; c < cols; c += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c);
+        widen(row + c, buf.data(), n);
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
+      }
+      // >= one unit in the last place at m for bfloat16 (8 significant bits) and float16 (11).
+      const float floor_value = m - std::max(std::fabs(m) / 128.f, 1e-30f);
+      widen(hid + r * h_s, hf.data(), H);
+      float best = -INFINITY;
+      int64_t at = -1;
+      for (int64_t c = 0; c < cols; c += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c);
+        widen(row + c, buf.data(), n);
+        for (int64_t i = 0; i < n; ++i) {
+          if (!(buf[i] >= floor_value)) continue;
+          widen(w + (c + i) * w_s, wf.data(), H);
+          float dot = 0.f;
+          for (int64_t k = 0; k < H; ++k) dot += hf[k] * wf[k];
+          if (at < 0 || dot > best) { best = dot; at = c + i; }
+        }
+      }
+      out[r] = at < 0 ? 0 : at;
+    }
+  });
+}
+
+torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits must be 2-D with contiguous rows");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == x.size(0) && hidden.stride(1) == 1, "hidden: [rows, H]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) >= x.size(1) && weight.size(1) == hidden.size(1) &&
+              weight.stride(1) == 1, "weight: [vocab, H]");
+  TORCH_CHECK(hidden.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "logits, hidden and weight must share a dtype");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows_exact", [&] {
+    argmax_exact_kernel<scalar_t>(x.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                  out.data_ptr<int64_t>(), x.size(0), x.size(1), hidden.size(1), x.stride(0),
+                                  hidden.stride(0), weight.stride(0));
+  });
+  return out;
 }
 
 torch::Tensor argmax_rows(torch::Tensor x) {

@@ -324,6 +324,7 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                   int64_t rotated_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -335,5 +336,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up buffer");
   m.def("write_kv", &write_kv, "new keys and values into their cache slots (-1 skipped)");
+  m.def("argmax_rows_exact", &argmax_rows_exact, "greedy argmax with near-ties rescored in float32");
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
 }

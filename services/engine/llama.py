@@ -77,6 +77,10 @@ class LlamaModel:
         } for w in weights["layers"]]
         self.norm = weights["norm"]
         self.lm_head = linear(weights["lm_head"])
+        # The plain output embedding and the last forward's final hidden rows: the sampler rescores
+        # half-precision near-ties of greedy rows from them in float32.
+        self.head_weight = weights["lm_head"]
+        self.last_hidden: torch.Tensor | None = None
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                     dtype, device)
         self.attn = PagedAttention(device)
@@ -127,4 +131,5 @@ class LlamaModel:
                 act = F.silu(gate) * up
             delta = layer["down"](act)
         h = h.index_select(0, sample_idx) + delta.index_select(0, sample_idx)
-        return self.lm_head(rms_norm(h, self.norm, eps))
+        self.last_hidden = rms_norm(h, self.norm, eps)
+        return self.lm_head(self.last_hidden)

@@ -92,7 +92,8 @@ class ModelRunner:
         # a first build takes about a minute that must not land on the first request after "ready".
         kernels_module = cpu_kernels.load() if self.device.type == "cpu" else None
         fast = kernels_module if self.dtype != torch.float32 else None
-        self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None)
+        self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
+                               fast.argmax_rows_exact if fast is not None else None)
         is_default = model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
         self.info = EngineInfo(
             model_id=model_id or (DEFAULT_MODEL_NAME if is_default else self.model_dir.name),
@@ -174,7 +175,7 @@ class ModelRunner:
             torch.tensor(sample_idx, dtype=torch.long, device=dev))
         if not rows:
             return result
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs = self.sampler(logits, rows, self.model.last_hidden, self.model.head_weight)
         for seq_id, tok, lp in zip(owners, tokens, logprobs, strict=True):
             result.sampled.setdefault(seq_id, []).append(tok)
             if lp is not None:

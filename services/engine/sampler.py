@@ -1,7 +1,10 @@
 """Token sampling for a batch of rows, each with its own parameters.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then draw with the
-exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed
+Greedy rows take the argmax; with half-precision logits on the CPU, candidates within one rounding
+unit of the maximum are rescored in float32 from the final hidden state (kernels.cpu), so a bfloat16
+tie never decides a greedy token and a greedy request's tokens do not depend on its batch.
+
+Random rows apply temperature, top-k and top-p, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed
 draws its noise from a generator seeded by (seed, sample index, output index), so a seeded request
 gives the same tokens whatever else is in the batch and even after preemption and recomputation.
 """
@@ -29,29 +32,43 @@ def _row_seed(seed: int, sample_index: int, output_index: int) -> int:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, fast_argmax=None):
+    def __init__(self, device: torch.device, fast_argmax=None, exact_argmax=None):
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.seed()
-        # CPU: argmax straight on half-precision logits (kernels.cpu), no float32 copy of the matrix.
+        # CPU: argmax straight on half-precision logits (kernels.cpu), no float32 copy of the matrix;
+        # exact_argmax(logits, hidden, head_weight) also rescores near-ties in float32.
         self._fast_argmax = fast_argmax
+        self._exact_argmax = exact_argmax
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [len(rows), vocab], any float dtype. Returns token ids and, where asked, log-probabilities."""
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], hidden: torch.Tensor | None = None,
+                 head_weight: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [len(rows), vocab], any float dtype; hidden: the final hidden state of those rows and
+        head_weight the output embedding, for exact greedy on half-precision logits. Returns token ids
+        and, where asked, log-probabilities."""
         n = len(rows)
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0.0]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0.0]
         want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
-        if len(greedy) == n and not want and self._fast_argmax is not None and logits.dtype != torch.float32:
+        half = logits.dtype != torch.float32
+        exact = half and hidden is not None and head_weight is not None and self._exact_argmax is not None
+        if len(greedy) == n and not want and half and (exact or self._fast_argmax is not None):
+            if exact:
+                return self._exact_argmax(logits.contiguous(), hidden.contiguous(), head_weight).tolist(), [None] * n
             return self._fast_argmax(logits.contiguous()).tolist(), [None] * n
+        raw = logits
         logits = logits.float()
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-        if len(greedy) == n:
+        if len(greedy) == n and not exact:
             tokens = logits.max(dim=-1).indices  # max() is several times faster than argmax() on the CPU
         else:
             if greedy:
                 gi = torch.tensor(greedy, device=logits.device)
-                tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
+                if exact:
+                    tokens[gi] = self._exact_argmax(raw.index_select(0, gi), hidden.index_select(0, gi), head_weight)
+                else:
+                    tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
+        if rand:
             ri = torch.tensor(rand, device=logits.device)
             tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
         token_list = tokens.tolist()

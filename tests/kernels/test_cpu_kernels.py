@@ -144,6 +144,42 @@ def test_write_kv_matches_the_reference_and_skips_padding(ext, gen):
         write_kv_cpu(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 4, 64]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_argmax_breaks_half_precision_ties_in_float32(ext, gen, dtype):
+    ties = 0
+    for _ in range(10):
+        hidden = torch.randn(1, 96, generator=gen).to(dtype)
+        weight = (torch.randn(5000, 96, generator=gen) * 0.1).to(dtype)
+        weight[7] = hidden[0] * 0.5  # the clear winner ...
+        weight[4000] = weight[7]
+        k = int(hidden[0].float().argmax())  # ... and a rival one step higher where the hidden state is positive
+        weight[4000].view(torch.int16)[k] += 1  # the next representable value up (it is positive)
+        exact = hidden.float() @ weight.float().T
+        logits = exact.to(dtype)
+        assert exact.argmax().item() == 4000
+        assert ext.argmax_rows_exact(logits, hidden, weight).item() == 4000
+        ties += int(logits[0, 7] == logits[0, 4000])
+    assert ties > 0  # the rounded logits did tie, so a plain argmax would have answered 7
+
+
+def test_sampler_greedy_is_exact_and_independent_of_the_batch(ext, gen):
+    from services.engine.sampler import Sampler, SampleRow
+    from services.scheduler.output import SamplingSpec
+
+    hidden = torch.randn(8, 96, generator=gen).bfloat16()
+    weight = torch.randn(3000, 96, generator=gen).bfloat16()
+    logits = (hidden.float() @ weight.float().T).bfloat16()
+    want = (hidden.float() @ weight.float().T).max(-1).indices.tolist()
+    sampler = Sampler(torch.device("cpu"), ext.argmax_rows, ext.argmax_rows_exact)
+    greedy, hot = SampleRow(SamplingSpec(temperature=0.0), 0, 0), SampleRow(SamplingSpec(temperature=1.0), 0, 0)
+    alone, _ = sampler(logits, [greedy] * 8, hidden, weight)
+    mixed, _ = sampler(logits, [greedy, hot] * 4, hidden, weight)
+    with_logprobs, lps = sampler(logits, [SampleRow(SamplingSpec(temperature=0.0, logprobs=2), 0, 0)] * 8, hidden,
+                                 weight)
+    assert alone == want and mixed[0::2] == want[0::2] and with_logprobs == want
+    assert all(len(lp.top_ids) == 2 for lp in lps)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_argmax_rows_matches_torch_and_takes_the_first_tie(ext, gen, dtype):
     x = torch.randn(9, 3000, generator=gen).to(dtype)
