@@ -4,9 +4,10 @@ Greedy rows take the argmax; with half-precision logits on the CPU, candidates w
 unit of the maximum are rescored in float32 from the final hidden state (kernels.cpu), so a bfloat16
 tie never decides a greedy token and a greedy request's tokens do not depend on its batch.
 
-Random rows apply temperature, top-k and top-p, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed
-draws its noise from a generator seeded by (seed, sample index, output index), so a seeded request
-gives the same tokens whatever else is in the batch and even after preemption and recomputation.
+Random rows apply temperature, top-k and top-p, then draw with the exponential-race trick (argmax of
+p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed draws its noise from a generator
+seeded by (seed, sample index, output index), so a seeded request gives the same tokens whatever else
+is in the batch and even after preemption and recomputation.
 """
 
 from __future__ import annotations
