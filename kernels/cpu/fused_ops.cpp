@@ -220,25 +220,26 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
+constexpr int64_t kArgmaxChunk = 1024;  // logits widened to float32 this many at a time
+
 // Greedy sampling: index of the largest logit of each row (the first one on ties), read once in the
 // logits' own dtype. Replaces logits.float().max(-1), which writes a float32 copy of the whole matrix.
 template <typename T>
 static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t cols, int64_t row_s) {
-  constexpr int64_t kChunk = 1024;
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    float buf[kChunk];
+    float buf[kArgmaxChunk];
     for (int64_t r = b; r < e; ++r) {
       const T* row = x + r * row_s;
       float best = -INFINITY;
       int64_t best_chunk = 0;
-      for (int64_t c = 0; c < cols; c += kChunk) {
-        const int64_t n = std::min(kChunk, cols - c);
+      for (int64_t c = 0; c < cols; c += kArgmaxChunk) {
+        const int64_t n = std::min(kArgmaxChunk, cols - c);
         widen(row + c, buf, n);
         float m = -INFINITY;
         for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
         if (m > best) { best = m; best_chunk = c; }  // strict: keeps the first chunk on ties
       }
-      const int64_t n = std::min(kChunk, cols - best_chunk);
+      const int64_t n = std::min(kArgmaxChunk, cols - best_chunk);
       widen(row + best_chunk, buf, n);
       int64_t at = best_chunk;
       for (int64_t i = 0; i < n; ++i) {
@@ -249,6 +250,18 @@ static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t c
   });
 }
 
+// Largest value of a row, read once in the logits' own dtype.
+template <typename T>
+static float row_max(const T* row, int64_t cols, float* buf) {
+  float m = -INFINITY;
+  for (int64_t c = 0; c < cols; c += kArgmaxChunk) {
+    const int64_t n = std::min(kArgmaxChunk, cols - c);
+    widen(row + c, buf, n);
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
+  }
+  return m;
+}
+
 // Greedy sampling that a half-precision tie cannot decide: logits rounded to bfloat16 carry one unit
 // in the last place of ~0.1 at typical magnitudes, so two tokens a few hundredths apart in float32 can
 // round to the same value and the lower id would win. Every token within one such unit of the row's
@@ -257,24 +270,18 @@ static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t c
 template <typename T>
 static void argmax_exact_kernel(const T* x, const T* hid, const T* w, int64_t* out, int64_t rows, int64_t cols,
                                 int64_t H, int64_t x_s, int64_t h_s, int64_t w_s) {
-  constexpr int64_t kChunk = 1024;
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(kChunk), hf(H), wf(H);
+    std::vector<float> buf(kArgmaxChunk), hf(H), wf(H);
     for (int64_t r = b; r < e; ++r) {
       const T* row = x + r * x_s;
-      float m = -INFINITY;
-      for (int64_t c = 0; c < cols; c += kChunk) {
-        const int64_t n = std::min(kChunk, cols - c);
-        widen(row + c, buf.data(), n);
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
-      }
+      const float m = row_max(row, cols, buf.data());
       // >= one unit in the last place at m for bfloat16 (8 significant bits) and float16 (11).
       const float floor_value = m - std::max(std::fabs(m) / 128.f, 1e-30f);
       widen(hid + r * h_s, hf.data(), H);
       float best = -INFINITY;
       int64_t at = -1;
-      for (int64_t c = 0; c < cols; c += kChunk) {
-        const int64_t n = std::min(kChunk, cols - c);
+      for (int64_t c = 0; c < cols; c += kArgmaxChunk) {
+        const int64_t n = std::min(kArgmaxChunk, cols - c);
         widen(row + c, buf.data(), n);
         for (int64_t i = 0; i < n; ++i) {
           if (!(buf[i] >= floor_value)) continue;

@@ -77,10 +77,9 @@ class LlamaModel:
         } for w in weights["layers"]]
         self.norm = weights["norm"]
         self.lm_head = linear(weights["lm_head"])
-        # The plain output embedding and the last forward's final hidden rows: the sampler rescores
-        # half-precision near-ties of greedy rows from them in float32.
+        # The plain output embedding: the sampler rescores half-precision near-ties of greedy rows with
+        # it and the final hidden state, in float32.
         self.head_weight = weights["lm_head"]
-        self.last_hidden: torch.Tensor | None = None
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                     dtype, device)
         self.attn = PagedAttention(device)
@@ -94,8 +93,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_idx: torch.Tensor) -> torch.Tensor:
-        """Returns logits (in the model's dtype) for the rows in `sample_idx` only."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                sample_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns logits (in the model's dtype) and the final hidden state, for the rows in `sample_idx` only."""
         c = self.config
         eps = c.rms_norm_eps
         fused = self.fused
@@ -131,5 +131,5 @@ class LlamaModel:
                 act = F.silu(gate) * up
             delta = layer["down"](act)
         h = h.index_select(0, sample_idx) + delta.index_select(0, sample_idx)
-        self.last_hidden = rms_norm(h, self.norm, eps)
-        return self.lm_head(self.last_hidden)
+        hidden = rms_norm(h, self.norm, eps)
+        return self.lm_head(hidden), hidden

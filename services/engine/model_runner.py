@@ -90,8 +90,8 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
         # a first build takes about a minute that must not land on the first request after "ready".
-        kernels_module = cpu_kernels.load() if self.device.type == "cpu" else None
-        fast = kernels_module if self.dtype != torch.float32 else None
+        built = cpu_kernels.load() if self.device.type == "cpu" else None
+        fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
         is_default = model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
@@ -169,13 +169,13 @@ class ModelRunner:
                     rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index))
                     owners.append(s.seq_id)
         result = ModelRunnerOutput(step_id=out.step_id)
-        logits = self.model.forward(
+        logits, hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_caches,
             torch.tensor(sample_idx, dtype=torch.long, device=dev))
         if not rows:
             return result
-        tokens, logprobs = self.sampler(logits, rows, self.model.last_hidden, self.model.head_weight)
+        tokens, logprobs = self.sampler(logits, rows, hidden, self.model.head_weight)
         for seq_id, tok, lp in zip(owners, tokens, logprobs, strict=True):
             result.sampled.setdefault(seq_id, []).append(tok)
             if lp is not None:

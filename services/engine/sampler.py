@@ -51,24 +51,14 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0.0]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0.0]
         want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
-        half = logits.dtype != torch.float32
-        exact = half and hidden is not None and head_weight is not None and self._exact_argmax is not None
-        if len(greedy) == n and not want and half and (exact or self._fast_argmax is not None):
-            if exact:
-                return self._exact_argmax(logits.contiguous(), hidden.contiguous(), head_weight).tolist(), [None] * n
-            return self._fast_argmax(logits.contiguous()).tolist(), [None] * n
-        raw = logits
-        logits = logits.float()
+        if len(greedy) == n and not want:  # the common case: no float32 copy of the logits at all
+            return self._greedy(logits, hidden, head_weight).tolist(), [None] * n
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-        if len(greedy) == n and not exact:
-            tokens = logits.max(dim=-1).indices  # max() is several times faster than argmax() on the CPU
-        else:
-            if greedy:
-                gi = torch.tensor(greedy, device=logits.device)
-                if exact:
-                    tokens[gi] = self._exact_argmax(raw.index_select(0, gi), hidden.index_select(0, gi), head_weight)
-                else:
-                    tokens[gi] = logits.index_select(0, gi).max(dim=-1).indices
+        if greedy:
+            gi = torch.tensor(greedy, device=logits.device)
+            rows_hidden = None if hidden is None else hidden.index_select(0, gi)
+            tokens[gi] = self._greedy(logits.index_select(0, gi), rows_hidden, head_weight)
+        logits = logits.float()
         if rand:
             ri = torch.tensor(rand, device=logits.device)
             tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
@@ -88,6 +78,15 @@ class Sampler:
                     top_v[j, :kk].tolist() if kk else [],
                 )
         return token_list, logprobs
+
+    def _greedy(self, logits: torch.Tensor, hidden: torch.Tensor | None,
+                head_weight: torch.Tensor | None) -> torch.Tensor:
+        if logits.dtype != torch.float32:
+            if self._exact_argmax is not None and hidden is not None and head_weight is not None:
+                return self._exact_argmax(logits.contiguous(), hidden.contiguous(), head_weight)
+            if self._fast_argmax is not None:
+                return self._fast_argmax(logits.contiguous())
+        return logits.float().max(dim=-1).indices  # max() is several times faster than argmax() on the CPU
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         dev = logits.device
