@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from services.scheduler.output import TokenLogprobs
+from services.step_protocol import TokenLogprobs
 
 TokenText = Callable[[int], str]  # token id -> its text, for log-probabilities
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.output import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 
 
 class NullExecutor:

@@ -17,7 +17,7 @@ from services.engine.attention import AttentionMetadata
 from services.engine.model_loader import load_llama
 from services.engine.sampler import Sampler, SampleRow
 from services.model_source import DEFAULT_MODEL_NAME, resolve_model
-from services.scheduler.output import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from services.scheduler.output import SamplingSpec, TokenLogprobs
+from services.step_protocol import SamplingSpec, TokenLogprobs
 
 
 @dataclass

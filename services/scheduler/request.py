@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 from services.sampling_params import SamplingParams
-from services.scheduler.output import SamplingSpec
+from services.step_protocol import SamplingSpec
 
 
 class RequestStatus(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.scheduler.output import TokenLogprobs
+from services.step_protocol import TokenLogprobs
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.output import ScheduledSequence, SchedulerOutput
+from services.step_protocol import ScheduledSequence, SchedulerOutput
 from services.scheduler.request import Request, RequestStatus
 
 # A request waits at most this many steps for blocks another request is computing (bounded, so FCFS

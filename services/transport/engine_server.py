@@ -14,7 +14,7 @@ from typing import Protocol
 
 import zmq
 
-from services.scheduler.output import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.transport.wire import Reply, decode_request, encode_reply
 
 log = logging.getLogger(__name__)

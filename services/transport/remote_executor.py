@@ -16,7 +16,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.scheduler.output import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.transport.wire import Request, decode_reply, encode_request
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from services.api.app import create_replica_app
 from services.api.metrics import SchedulerMetrics
 from services.api.serving import OpenAIServing, ServingConfig
 from services.sampling_params import InvalidRequestError
-from services.scheduler.output import TokenLogprobs
+from services.step_protocol import TokenLogprobs
 from services.scheduler.request_output import CompletionOutput, RequestOutput
 from tests.conftest import AppServer
 

@@ -39,7 +39,7 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
 
 def test_top_k_restricts_the_support():
     from services.engine.sampler import Sampler, SampleRow
-    from services.scheduler.output import SamplingSpec
+    from services.step_protocol import SamplingSpec
 
     logits = torch.randn(1, 100)
     allowed = set(logits[0].topk(5).indices.tolist())

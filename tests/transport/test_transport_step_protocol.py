@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from services.scheduler.output import (
+from services.step_protocol import (
     EngineInfo,
     ModelRunnerOutput,
     SamplingSpec,

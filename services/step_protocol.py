@@ -1,7 +1,9 @@
-"""The one interface between scheduling and execution: what to compute this step, and what came back.
+"""The step protocol: the one interface between the scheduler process and the engine process.
 
-`SchedulerOutput` is all the engine ever sees of the scheduler; `ModelRunnerOutput` is all it returns.
-Both are plain dataclasses of ints, floats and lists so they cross a process boundary as msgpack.
+`SchedulerOutput` is all the engine ever sees of the scheduler; `ModelRunnerOutput` is all it returns;
+`EngineInfo` is the engine's handshake. Plain dataclasses of ints, floats and lists with their wire form
+(`to_wire`/`from_wire`, msgpack-ready dicts), so they cross a process boundary as they are. This module
+imports neither side: the engine never imports the scheduler, and the scheduler never imports the engine.
 """
 
 from __future__ import annotations
