@@ -6,9 +6,9 @@ import asyncio
 import json
 import logging
 
-from services.api.server import make_server, run_servers
 from services.block_hash import model_hash_seed
 from services.model_source import DEFAULT_MODEL_NAME, resolve_model
+from services.openai_api.server import make_server, run_servers
 from services.registry.redis_sink import connect, redacted
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys

@@ -11,9 +11,9 @@ import asyncio
 import logging
 import socket
 
-from services.api.replica_service import ReplicaSettings, build_replica
-from services.api.server import StartingApp, make_server, run_servers
 from services.model_source import resolve_model
+from services.openai_api.server import StartingApp, make_server, run_servers
+from services.replica.service import ReplicaSettings, build_replica
 from services.transport.remote_executor import RemoteExecutor
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ import logging
 import socket
 from types import SimpleNamespace
 
-from services.api.replica_service import build_replica
-from services.api.server import make_server, run_servers
 from services.commands.router import build_router
 from services.commands.scheduler import replica_settings
+from services.openai_api.server import make_server, run_servers
 from services.registry.memory_index import MemoryIndex
+from services.replica.service import build_replica
 from services.router.app import create_router_app
 from services.settings import parse_bytes
 

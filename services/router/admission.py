@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from services.api.errors import APIError
+from services.openai_api.errors import APIError
 from services.router.metrics import RouterMetrics
 
 POLL = 0.05

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.api.app import add_openai_routes, bare_app, models_body
+from services.openai_api.routes import add_openai_routes, bare_app, models_body
 from services.router.service import RouterService
 
 
@@ -24,7 +24,7 @@ def create_router_app(service: RouterService,
 
     async def models(request: Request) -> dict:
         service.keys.check(request.headers.get("authorization"))
-        return models_body(service.config.model_name, service.max_model_len)
+        return models_body([(service.config.model_name, service.max_model_len)])
 
     add_openai_routes(app, service, models, render_metrics or service.metrics.render)
 

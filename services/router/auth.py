@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
-from services.api.errors import APIError
+from services.openai_api.errors import APIError
 
 
 class ApiKeys:

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from services.api.errors import APIError, error_body
-from services.api.streams import ClientGone, until_disconnect
+from services.openai_api.errors import APIError, error_body
+from services.openai_api.streams import ClientGone, until_disconnect
 from services.registry.model import ReplicaState
 from services.router.metrics import RouterMetrics
 from services.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse

@@ -1,6 +1,6 @@
 """One routed request, end to end: authenticate, validate, tokenize once, hash, pick, forward.
 
-The router validates with the scheduler's own rules (services.api) so bad input never costs a
+The router validates with the scheduler's own rules (services.openai_api) so bad input never costs a
 replica anything, and it forwards the token ids it computed, so the scheduler does not tokenize again.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
-from services.api.errors import APIError
-from services.api.prompts import prepare_async
-from services.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
-from services.api.serving import check_model
 from services.block_hash import hash_blocks
+from services.openai_api.errors import APIError
+from services.openai_api.prompts import prepare_async
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.routes import check_model
 from services.registry.model import PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys

@@ -17,10 +17,10 @@ from services.scheduler.block_pool import BlockPool, KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.step_protocol import ModelRunnerOutput, SchedulerOutput
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_output import CompletionOutput, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.step_protocol import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.step_protocol import ScheduledSequence, SchedulerOutput
 from services.scheduler.request import Request, RequestStatus
+from services.step_protocol import ScheduledSequence, SchedulerOutput
 
 # A request waits at most this many steps for blocks another request is computing (bounded, so FCFS
 # admission never turns into starvation).

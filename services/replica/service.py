@@ -11,12 +11,12 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from services.api.app import create_replica_app
-from services.api.metrics import SchedulerMetrics
-from services.api.replica import Replica
-from services.api.serving import OpenAIServing, ServingConfig
 from services.registry.model import RegistrySink, ReplicaInfo
 from services.registry.publisher import ReplicaPublisher
+from services.replica.app import create_replica_app
+from services.replica.health import Replica
+from services.replica.metrics import SchedulerMetrics
+from services.replica.serving import OpenAIServing, ServingConfig
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.api import responses as R
+from services.replica import responses as R
 from services.scheduler.request_output import RequestOutput
 
 

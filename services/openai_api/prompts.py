@@ -10,8 +10,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.api.errors import APIError
-from services.api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.errors import APIError
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.sampling_params import InvalidRequestError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions

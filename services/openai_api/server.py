@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 
 import uvicorn
 
-from services.api.errors import error_body
+from services.openai_api.errors import error_body
 
 log = logging.getLogger(__name__)
 

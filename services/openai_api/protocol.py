@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from services.api.errors import APIError, validation_error
+from services.openai_api.errors import APIError, validation_error
 
 Number = StrictInt | StrictFloat
 TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]

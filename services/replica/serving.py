@@ -17,12 +17,13 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.api.accumulator import ResponseAccumulator
-from services.api.errors import APIError
-from services.api.metrics import RequestTimer, SchedulerMetrics
-from services.api.prompts import PreparedRequest, prepare_async
-from services.api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
-from services.api.streams import ClientGone, merge, until_disconnect
+from services.openai_api.errors import APIError
+from services.openai_api.prompts import PreparedRequest, prepare_async
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.routes import check_model
+from services.openai_api.streams import ClientGone, merge, until_disconnect
+from services.replica.accumulator import ResponseAccumulator
+from services.replica.metrics import RequestTimer, SchedulerMetrics
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.request_output import RequestOutput
 
@@ -51,11 +52,6 @@ def sse(obj: dict) -> str:
 
 def engine_error(message: str) -> APIError:
     return APIError(503, f"the engine failed while serving this request: {message}", code="engine_error")
-
-
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
 
 
 class OpenAIServing:

@@ -1,0 +1,34 @@
+"""The HTTP app of one model replica: OpenAI endpoints, /health and /metrics.
+
+Used by the scheduler service and, behind the in-process router, by `pagedserve serve`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from services.openai_api.routes import add_openai_routes, bare_app, models_body
+from services.replica.metrics import SchedulerMetrics
+from services.replica.serving import OpenAIServing
+
+
+def create_replica_app(serving: OpenAIServing, metrics: SchedulerMetrics,
+                       health: Callable[[], dict]) -> FastAPI:
+    """`health()` returns a dict with at least "healthy": bool (false -> 503, so probes and routers see it)."""
+    app = bare_app()
+    cfg = serving.config
+
+    async def models(request: Request) -> dict:
+        return models_body([(cfg.model_name, cfg.max_model_len)])
+
+    add_openai_routes(app, serving, models, metrics.render)
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        status = health()
+        return JSONResponse(status, status_code=200 if status.get("healthy") else 503)
+
+    return app
