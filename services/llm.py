@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from services.sampling_params import InvalidRequestError, SamplingParams
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
 from services.scheduler.request_output import RequestOutput
 from services.settings import parse_bytes
@@ -30,7 +30,7 @@ class LLM:
                                   num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
                                   max_model_len=max_model_len)
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
-        self.engine = EngineCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
+        self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
         self._ids = itertools.count()
@@ -57,11 +57,11 @@ class LLM:
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
         token_lists = [self._to_token_ids(p) for p in prompts]
         for ids, p in zip(token_lists, plist, strict=True):
-            self.engine.validate(ids, p)
+            self.core.validate(ids, p)
         rids = []
         for ids, p in zip(token_lists, plist, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
+            self.core.add_request(rid, ids, p)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 
@@ -79,16 +79,16 @@ class LLM:
         bar = tqdm(total=len(rids), desc="generating", unit="req", disable=not use_tqdm)
         try:
             while len(done) < len(rids):
-                for out in self.engine.step():
+                for out in self.core.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
                 if self.step_hook is not None:
-                    self.step_hook(self.engine)
+                    self.step_hook(self.core)
         except BaseException:
             for rid in rids:
                 if rid not in done:
-                    self.engine.abort_request(rid)
+                    self.core.abort_request(rid)
             raise
         finally:
             bar.close()

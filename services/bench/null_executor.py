@@ -35,9 +35,9 @@ def scheduler_ms_per_step(tokenizer, num_running: int = 256, prompt_len: int = 2
     import time
 
     from services.sampling_params import SamplingParams
-    from services.scheduler.engine_core import EngineCore
+    from services.scheduler.core import SchedulerCore
 
-    core = EngineCore(NullExecutor(), tokenizer, max_num_seqs=num_running, max_num_batched_tokens=1 << 16)
+    core = SchedulerCore(NullExecutor(), tokenizer, max_num_seqs=num_running, max_num_batched_tokens=1 << 16)
     params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True)
     for i in range(num_running):
         core.add_request(f"r{i}", [(i * 7 + j) % 40000 + 100 for j in range(prompt_len)], params)

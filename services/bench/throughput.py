@@ -31,8 +31,8 @@ def run_ours(llm, requests) -> dict:
     warm = [(7919 * i) % 40000 + 100 for i in range(64)]
     llm.generate([warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     observer = StepObserver()
-    observer.wrap_executor(llm.engine.executor)
-    core = llm.engine
+    observer.wrap_executor(llm.core.executor)
+    core = llm.core
     last = [time.perf_counter()]
 
     def hook(c):
@@ -85,7 +85,7 @@ def run(args) -> int:
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    requests = make_workload(args.workload, llm.engine.info.vocab_size, seed=args.seed, scale=args.scale)
+    requests = make_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
     print(f"workload {args.workload}: {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.output_len for r in requests)} output tokens", flush=True)

@@ -30,9 +30,9 @@ class GeometryChangedError(RuntimeError):
 
 
 class Replica:
-    def __init__(self, core, engine, executor):
-        self.core = core  # services.scheduler.engine_core.EngineCore
-        self.engine = engine  # services.scheduler.async_engine.AsyncEngine
+    def __init__(self, core, loop, executor):
+        self.core = core  # services.scheduler.core.SchedulerCore
+        self.loop = loop  # services.scheduler.async_scheduler.AsyncScheduler: the step loop thread
         self.executor = executor
         self.healthy = True
         self.last_error: str | None = None
@@ -41,17 +41,17 @@ class Replica:
     # -- the HTTP layer's engine client ------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(request_id, prompt_token_ids, params):
+        async for out in self.loop.generate(request_id, prompt_token_ids, params):
             if out.error:
                 self.mark_unhealthy(out.error)
             yield out
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        self.loop.abort(request_id)
 
     # -- the registry publisher's source -----------------------------------------------------------
     def stats(self) -> SchedulerStats:
-        return self.engine.stats()
+        return self.loop.stats()
 
     def load(self) -> ReplicaLoad:
         s = self.stats()
@@ -104,6 +104,6 @@ class Replica:
             raise GeometryChangedError(f"engine came back with another model or KV geometry ({info})")
         # Nothing is in flight; this clears the prefix cache. Run on the engine loop's thread, the only
         # one that may touch the core.
-        self.engine.call(self.core.fail_all, "engine restarted")
+        self.loop.call(self.core.fail_all, "engine restarted")
         for hook in self.on_engine_reset:
             hook()

@@ -49,16 +49,16 @@ class ReplicaService:
 
 def build_replica(executor, model_dir: str | Path, settings: ReplicaSettings) -> ReplicaService:
     """Handshake with the engine (through `executor`) and build the replica on top of it."""
-    from services.scheduler.async_engine import AsyncEngine
-    from services.scheduler.engine_core import EngineCore
+    from services.scheduler.async_scheduler import AsyncScheduler
+    from services.scheduler.core import SchedulerCore
     from services.tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer(model_dir)
-    core = EngineCore(executor, tokenizer, max_num_seqs=settings.max_num_seqs,
+    core = SchedulerCore(executor, tokenizer, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens,
                       enable_prefix_caching=settings.enable_prefix_caching, max_model_len=settings.max_model_len,
                       collect_kv_events=True)
-    replica = Replica(core, AsyncEngine(core), executor)
+    replica = Replica(core, AsyncScheduler(core), executor)
     model_name = settings.served_model_name or core.info.model_id
     metrics = SchedulerMetrics(replica.stats)
     serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes),

@@ -1,4 +1,4 @@
-"""The OpenAI endpoints of one replica, mounted on an engine client (services.scheduler.async_engine).
+"""The OpenAI endpoints of one replica, served over its backend (services.replica.health.Replica).
 
 Everything that can be wrong with a request is found before the response starts (a 4xx), and an
 engine that fails before the first byte is a 503, which the router retries on another replica. A
@@ -30,7 +30,7 @@ from services.scheduler.request_output import RequestOutput
 log = logging.getLogger(__name__)
 
 
-class EngineClient(Protocol):
+class ReplicaBackend(Protocol):
     healthy: bool
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -55,9 +55,9 @@ def engine_error(message: str) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, tokenizer, config: ServingConfig,
+    def __init__(self, backend: ReplicaBackend, tokenizer, config: ServingConfig,
                  metrics: SchedulerMetrics | None = None):
-        self.engine = engine
+        self.backend = backend
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
@@ -76,13 +76,13 @@ class OpenAIServing:
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)
         prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
-        if not self.engine.healthy:
+        if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         request_id = id_prefix + uuid.uuid4().hex
         acc = ResponseAccumulator(prepared.kind, request_id, prepared.model, prepared.params.n,
                                   [len(p) for p in prepared.prompts], self.token_text,
                                   prepared.params.logprobs is not None, prepared.include_usage)
-        run = _Run(self.engine, prepared, request_id, RequestTimer(self.metrics))
+        run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics))
         try:
             if prepared.stream:
                 return await self._stream(request, run, acc)
@@ -144,8 +144,8 @@ class OpenAIServing:
 class _Run:
     """The engine requests behind one HTTP request (one per prompt)."""
 
-    def __init__(self, engine: EngineClient, prepared: PreparedRequest, request_id: str, timer: RequestTimer):
-        self.engine = engine
+    def __init__(self, backend: ReplicaBackend, prepared: PreparedRequest, request_id: str, timer: RequestTimer):
+        self.backend = backend
         self.prepared = prepared
         self.timer = timer
         self.ids = [request_id] if len(prepared.prompts) == 1 else [
@@ -153,7 +153,7 @@ class _Run:
         self.done: set[str] = set()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = [self.engine.generate(rid, p, self.prepared.params)
+        streams = [self.backend.generate(rid, p, self.prepared.params)
                    for rid, p in zip(self.ids, self.prepared.prompts, strict=True)]
         async for idx, out in merge(streams):
             if out.finished:
@@ -163,6 +163,6 @@ class _Run:
     def abort(self) -> None:
         for rid in self.ids:
             if rid not in self.done:
-                self.engine.abort(rid)
+                self.backend.abort(rid)
                 self.done.add(rid)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from services.block_hash import hash_block
 from services.scheduler.block_pool import BlockPool, KVBlock
-from services.scheduler.request import Request
+from services.scheduler.sequence import Sequence
 
 
 class KVCacheManager:
@@ -25,7 +25,7 @@ class KVCacheManager:
         self.prefix_hits = 0
 
     # -- hashing ----------------------------------------------------------------------------
-    def _extend_hashes(self, req: Request, upto_tokens: int) -> None:
+    def _extend_hashes(self, req: Sequence, upto_tokens: int) -> None:
         bs = self.block_size
         hashes = req.block_hashes
         parent = hashes[-1] if hashes else self.hash_seed
@@ -34,7 +34,7 @@ class KVCacheManager:
             hashes.append(parent)
 
     # -- admission --------------------------------------------------------------------------
-    def find_cached_prefix(self, req: Request) -> list[KVBlock]:
+    def find_cached_prefix(self, req: Sequence) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of `req`, leaving at least one token to compute."""
         if not self.pool.enable_caching:
             return []
@@ -48,7 +48,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached: list[KVBlock] | None = None,
+    def allocate_slots(self, req: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None,
                        watermark: bool = False) -> bool:
         """Make room for `num_new_tokens` more tokens of `req`; all-or-nothing. Returns False when short."""
         table = self.tables.get(req.seq_id)
@@ -92,12 +92,12 @@ class KVCacheManager:
             ids.append(b.block_id)
         return True
 
-    def record_hit(self, req: Request, num_hit_tokens: int) -> None:
+    def record_hit(self, req: Sequence, num_hit_tokens: int) -> None:
         self.prefix_queries += req.num_tokens
         self.prefix_hits += num_hit_tokens
 
     # -- after a step -----------------------------------------------------------------------
-    def commit(self, req: Request) -> None:
+    def commit(self, req: Sequence) -> None:
         """Register the full blocks `req` has now computed, so later requests can reuse them."""
         if not self.pool.enable_caching:
             return
@@ -110,14 +110,14 @@ class KVCacheManager:
                 break  # everything before it was registered earlier
             self.pool.register(table[i], req.block_hashes[i])
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.tables[parent.seq_id]
         for b in table:
             self.pool.touch(b)
         self.tables[child.seq_id] = list(table)
         self.block_ids[child.seq_id] = [b.block_id for b in table]
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Sequence) -> None:
         table = self.tables.pop(req.seq_id, None)
         self.block_ids.pop(req.seq_id, None)
         if table:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestStatus
+from services.scheduler.sequence import Sequence, SequenceStatus
 from services.step_protocol import ScheduledSequence, SchedulerOutput
 
 # A request waits at most this many steps for blocks another request is computing (bounded, so FCFS
@@ -38,22 +38,22 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._step = 0
-        self._scheduled: list[tuple[Request, int]] = []
-        self.rejected: list[Request] = []  # finished without running; the engine core reports them
+        self._scheduled: list[tuple[Sequence, int]] = []
+        self.rejected: list[Sequence] = []  # finished without running; the engine core reports them
 
     # -- queue management -------------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Sequence) -> None:
         self.waiting.append(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Sequence, status: SequenceStatus) -> None:
         """Take `req` out of whichever queue holds it and release its blocks at once."""
         if req.is_finished:
             return
-        if req.status == RequestStatus.RUNNING:
+        if req.status == SequenceStatus.RUNNING:
             self.running.remove(req)
         else:
             try:
@@ -69,7 +69,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Sequence, int]] = []
         preempted = False
 
         # 1. Decodes, in admission order; blocks short -> preempt the newest running sequence.
@@ -106,7 +106,7 @@ class Scheduler:
         #    whose next prompt block another request is computing right now waits a step or two (keeping
         #    its place at the head) and then reuses those blocks instead of computing them again.
         pending = self._blocks_in_flight() if self.waiting else set()
-        deferred: list[Request] = []
+        deferred: list[Sequence] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
@@ -129,7 +129,7 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             self.kv.record_hit(req, num_cached)
             req.num_computed_tokens = num_cached
-            req.set_status(RequestStatus.RUNNING)
+            req.set_status(SequenceStatus.RUNNING)
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
@@ -144,7 +144,7 @@ class Scheduler:
             blocks_to_copy=self.kv.take_copies(),
         )
 
-    def _describe(self, req: Request, n: int) -> ScheduledSequence:
+    def _describe(self, req: Sequence, n: int) -> ScheduledSequence:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         return ScheduledSequence(
@@ -170,21 +170,21 @@ class Scheduler:
                 pending.update(req.block_hashes[req.num_computed_tokens // bs:])
         return pending
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Sequence) -> None:
         self.running.remove(req)
-        req.set_status(RequestStatus.PREEMPTED)
+        req.set_status(SequenceStatus.PREEMPTED)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _reject_oversized(self, req: Request) -> None:
+    def _reject_oversized(self, req: Sequence) -> None:
         """Nothing runs and the head request still doesn't fit: it never will. Finish it as 'length'."""
         self.waiting.popleft()
-        req.set_status(RequestStatus.FINISHED_LENGTH)
+        req.set_status(SequenceStatus.FINISHED_LENGTH)
         self.rejected.append(req)
 
     @property
-    def last_scheduled(self) -> list[tuple[Request, int]]:
+    def last_scheduled(self) -> list[tuple[Sequence, int]]:
         return self._scheduled

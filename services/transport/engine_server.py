@@ -15,7 +15,7 @@ from typing import Protocol
 import zmq
 
 from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
-from services.transport.wire import Reply, decode_request, encode_reply
+from services.transport.wire import WireReply, decode_request, encode_reply
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,13 @@ class EngineServer:
             req = decode_request(data)
         except Exception as exc:  # a garbled frame must not take the engine down
             log.warning("undecodable step-protocol message (%d bytes): %s", len(data), exc)
-            return encode_reply(Reply(id=-1, ok=False, instance=self.instance, error=f"bad message: {exc}"))
+            return encode_reply(WireReply(id=-1, ok=False, instance=self.instance, error=f"bad message: {exc}"))
         try:
             body = self._dispatch(req.op, req.body)
-            return encode_reply(Reply(id=req.id, ok=True, instance=self.instance, body=body))
+            return encode_reply(WireReply(id=req.id, ok=True, instance=self.instance, body=body))
         except Exception as exc:
             log.exception("engine op %r (request %d) failed", req.op, req.id)
-            return encode_reply(Reply(id=req.id, ok=False, instance=self.instance,
+            return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance,
                                       error=f"{type(exc).__name__}: {exc}"))
 
     def _dispatch(self, op: str, body):

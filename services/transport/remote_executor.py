@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
-from services.transport.wire import Request, decode_reply, encode_request
+from services.transport.wire import WireRequest, decode_reply, encode_request
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class RemoteExecutor:
             self._drain_monitor()  # disconnects from before this call are history, not this call's fate
             rid = next(self._ids)
             try:
-                self._sock.send(encode_request(Request(id=rid, op=op, body=body)), zmq.NOBLOCK)
+                self._sock.send(encode_request(WireRequest(id=rid, op=op, body=body)), zmq.NOBLOCK)
             except zmq.Again:
                 raise EngineUnavailableError(f"engine at {self.url} is not connected") from None
             deadline = time.monotonic() + timeout

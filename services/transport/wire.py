@@ -18,14 +18,14 @@ OPS = ("handshake", "step", "reset", "health")
 
 
 @dataclass(slots=True)
-class Request:
+class WireRequest:
     id: int
     op: str
     body: Any = None
 
 
 @dataclass(slots=True)
-class Reply:
+class WireReply:
     id: int
     ok: bool
     instance: str
@@ -33,21 +33,21 @@ class Reply:
     error: str = ""
 
 
-def encode_request(req: Request) -> bytes:
+def encode_request(req: WireRequest) -> bytes:
     return msgpack.packb({"id": req.id, "op": req.op, "body": req.body}, use_bin_type=True)
 
 
-def decode_request(data: bytes) -> Request:
+def decode_request(data: bytes) -> WireRequest:
     d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return Request(id=int(d["id"]), op=str(d["op"]), body=d.get("body"))
+    return WireRequest(id=int(d["id"]), op=str(d["op"]), body=d.get("body"))
 
 
-def encode_reply(rep: Reply) -> bytes:
+def encode_reply(rep: WireReply) -> bytes:
     return msgpack.packb({"id": rep.id, "ok": rep.ok, "instance": rep.instance, "body": rep.body,
                           "error": rep.error}, use_bin_type=True)
 
 
-def decode_reply(data: bytes) -> Reply:
+def decode_reply(data: bytes) -> WireReply:
     d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return Reply(id=int(d["id"]), ok=bool(d["ok"]), instance=str(d["instance"]), body=d.get("body"),
+    return WireReply(id=int(d["id"]), ok=bool(d["ok"]), instance=str(d["instance"]), body=d.get("body"),
                  error=str(d.get("error") or ""))

@@ -10,12 +10,12 @@ import httpx
 import openai
 import pytest
 
-from services.api.app import create_replica_app
-from services.api.metrics import SchedulerMetrics
-from services.api.serving import OpenAIServing, ServingConfig
+from services.replica.app import create_replica_app
+from services.replica.metrics import SchedulerMetrics
+from services.replica.serving import OpenAIServing, ServingConfig
 from services.sampling_params import InvalidRequestError
-from services.step_protocol import TokenLogprobs
 from services.scheduler.request_output import CompletionOutput, RequestOutput
+from services.step_protocol import TokenLogprobs
 from tests.conftest import AppServer
 
 MODEL = "tiny"

@@ -166,7 +166,7 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
     exposition, rendered by the services' own metric classes after one request's observations."""
     import dataclasses
 
-    from services.api.metrics import SchedulerMetrics
+    from services.replica.metrics import SchedulerMetrics
     from services.router.metrics import RouterMetrics
     from services.scheduler.request_output import SchedulerStats
 

@@ -18,7 +18,7 @@ from services.commands.up import LocalCluster
 from tests.conftest import free_port_run
 
 # These run the services as real processes: they need the whole engine stack.
-pytest.importorskip("services.scheduler.async_engine")
+pytest.importorskip("services.scheduler.async_scheduler")
 
 
 @pytest.fixture(scope="module")

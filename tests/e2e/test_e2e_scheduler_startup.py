@@ -13,7 +13,7 @@ import redis
 
 from tests.conftest import free_port
 
-pytest.importorskip("services.scheduler.async_engine")
+pytest.importorskip("services.scheduler.async_scheduler")
 
 
 def test_scheduler_is_unready_until_its_engine_answers(tiny_llama_dir, redis_server):

@@ -14,7 +14,7 @@ from openai_checks import check_bad_input, check_chat_and_completions, check_sto
 from tests.conftest import free_port
 
 # These run the services as real processes: they need the whole engine stack.
-pytest.importorskip("services.scheduler.async_engine")
+pytest.importorskip("services.scheduler.async_scheduler")
 
 
 @pytest.fixture(scope="module")

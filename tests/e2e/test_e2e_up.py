@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import free_port
 
 # These run the services as real processes: they need the whole engine stack.
-pytest.importorskip("services.scheduler.async_engine")
+pytest.importorskip("services.scheduler.async_scheduler")
 
 
 def _descendants(pid: int) -> set[int]:

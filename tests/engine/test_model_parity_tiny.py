@@ -32,7 +32,7 @@ def test_greedy_matches_transformers(variant, tmp_path):
     llm = LLM(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=30,
               max_num_batched_tokens=64)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0, "the pool is sized so that preemption happens"
+    assert llm.core.scheduler.num_preemptions > 0, "the pool is sized so that preemption happens"
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 24), f"prompt of {len(p)} tokens diverged"

@@ -44,7 +44,7 @@ def test_greedy_parity_with_chunked_prefill_and_preemption(constrained_llm, hf_s
     lengths = [len(p) for p in prompts]
     assert min(lengths) >= 5 and max(lengths) >= 600 and max(lengths) > 256
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.core.scheduler.num_preemptions > 0
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf_smollm2, p, 32), f"prompt of {len(p)} tokens diverged"
 

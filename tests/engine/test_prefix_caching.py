@@ -27,7 +27,7 @@ def test_cached_prefix_skips_prefill_and_keeps_output(smollm2_fp32):
         len(s.token_ids) for s in core.last_output.sequences if s.start_pos < len(probe))
     cached_out = llm.generate([probe], params, use_tqdm=False)[0]
     llm.step_hook = None
-    block = llm.engine.info.block_size
+    block = llm.core.info.block_size
     assert cached_out.num_cached_tokens >= 512 - block
     assert sum(computed) <= block + 20, f"prefill computed {sum(computed)} tokens"
 

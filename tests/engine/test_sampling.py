@@ -67,7 +67,7 @@ def test_n_samples_share_the_prompt(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     again = _gen(llm, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True))[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    assert llm.engine.pool.num_in_use == 0
+    assert llm.core.pool.num_in_use == 0
 
 
 def test_logprobs_match_the_distribution(llm, tiny_model_dir):
@@ -87,8 +87,8 @@ def test_logprobs_match_the_distribution(llm, tiny_model_dir):
 def test_bad_input_names_the_field_and_spares_in_flight_requests(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = _gen(llm, params)[0].outputs[0].token_ids
-    llm.engine.add_request("inflight", PROMPT, params)
-    llm.engine.step()
+    llm.core.add_request("inflight", PROMPT, params)
+    llm.core.step()
     cases = [([""], params, "prompt"), ([[]], params, "prompt"), ([[5] * 5000], params, "prompt"),
              ([[1, 2, 49152]], params, "prompt"), ([[1, -1]], params, "prompt")]
     for prompts, p, field in cases:
@@ -101,7 +101,7 @@ def test_bad_input_names_the_field_and_spares_in_flight_requests(llm):
         assert e.value.field in bad
     done = None
     while done is None:
-        for o in llm.engine.step():
+        for o in llm.core.step():
             if o.request_id == "inflight" and o.finished:
                 done = o
     assert done.outputs[0].token_ids == expected

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from services.sampling_params import InvalidRequestError, SamplingParams
-from services.scheduler.async_engine import AsyncEngine
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.async_scheduler import AsyncScheduler
+from services.scheduler.core import SchedulerCore
 from tests.scheduler.conftest import shared_tokenizer
 from tests.scheduler.shadow_executor import ShadowExecutor
 
@@ -16,9 +16,9 @@ from tests.scheduler.shadow_executor import ShadowExecutor
 @pytest.fixture
 def engine():
     ex = ShadowExecutor(num_blocks=64, block_size=4)
-    core = EngineCore(ex, shared_tokenizer(), max_num_seqs=8, max_num_batched_tokens=32, collect_kv_events=True)
+    core = SchedulerCore(ex, shared_tokenizer(), max_num_seqs=8, max_num_batched_tokens=32, collect_kv_events=True)
     ex.lookup = lambda sid: next(r.token_ids for r in core.scheduler.running if r.seq_id == sid)
-    eng = AsyncEngine(core, idle_wait=0.05)
+    eng = AsyncScheduler(core, idle_wait=0.05)
     yield eng
     eng.shutdown()
 

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.sampling_params import SamplingParams
 from services.scheduler.block_pool import BlockPool
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.core import SchedulerCore
 from tests.scheduler.shadow_executor import ShadowExecutor
 
 PREFIXES = [list(range(200, 216)), list(range(300, 308)), []]
@@ -26,7 +26,7 @@ class PoolMachine(RuleBasedStateMachine):
         from tests.scheduler.conftest import shared_tokenizer
 
         self.ex = ShadowExecutor(num_blocks=40, block_size=4)
-        self.core = EngineCore(self.ex, shared_tokenizer(), max_num_seqs=6, max_num_batched_tokens=24)
+        self.core = SchedulerCore(self.ex, shared_tokenizer(), max_num_seqs=6, max_num_batched_tokens=24)
         core = self.core
         self.ex.lookup = lambda sid: next(r.token_ids for r in core.scheduler.running if r.seq_id == sid)
         self.ex.on_execute = self._check_single_writer

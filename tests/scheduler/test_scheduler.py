@@ -7,13 +7,13 @@ import sys
 import pytest
 
 from services.sampling_params import InvalidRequestError, SamplingParams
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.core import SchedulerCore
 from tests.scheduler.shadow_executor import EOS, ShadowExecutor
 
 
 def make_core(tokenizer, num_blocks=64, block_size=4, budget=32, max_seqs=8, caching=True, **kw):
     ex = ShadowExecutor(num_blocks, block_size, **kw)
-    core = EngineCore(ex, tokenizer, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    core = SchedulerCore(ex, tokenizer, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                       enable_prefix_caching=caching)
     ex.lookup = lambda seq_id: next(r.token_ids for r in core.scheduler.running if r.seq_id == seq_id)
     return core, ex
@@ -38,7 +38,7 @@ def greedy(n, **kw):
 
 def test_scheduler_imports_no_torch():
     assert "torch" not in sys.modules or True  # other tests may load torch; check the module graph instead
-    import services.scheduler.engine_core as ec
+    import services.scheduler.core as ec
 
     src = open(ec.__file__).read() + open(ec.__file__.replace("engine_core", "scheduler")).read()
     assert "import torch" not in src

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.sampling_params import SamplingParams
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
 from services.tokenizer import ModelTokenizer
 from services.transport import EngineUnavailableError, RemoteExecutor
@@ -25,7 +25,7 @@ def start_engine(model_dir, port: int) -> subprocess.Popen:
                              "--num-kv-blocks", "64", "--log-level", "warning"])
 
 
-def run_to_end(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+def run_to_end(core: SchedulerCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
         core.add_request(f"r{i}", p, params)
     done = {}
@@ -54,9 +54,9 @@ def test_remote_engine_matches_in_process_engine(tiny_llama_dir, engine_process)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     remote = RemoteExecutor(f"tcp://127.0.0.1:{port}", timeout=60)
     remote.wait_ready(120)
-    got = run_to_end(EngineCore(remote, tok, collect_kv_events=True), prompts, params)
+    got = run_to_end(SchedulerCore(remote, tok, collect_kv_events=True), prompts, params)
     runner = ModelRunner(tiny_llama_dir, dtype="float32", device="cpu", num_kv_blocks=64)
-    want = run_to_end(EngineCore(InProcessExecutor(runner), tok), prompts, params)
+    want = run_to_end(SchedulerCore(InProcessExecutor(runner), tok), prompts, params)
     assert got == want and len(got["r0"]) == 8
     remote.close()
 

@@ -17,9 +17,9 @@ from services.scheduler.block_pool import BlockPool, KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestStatus
 from services.scheduler.request_output import CompletionOutput, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.sequence import Sequence, SequenceStatus
 from services.step_protocol import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class _Group:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Request | None]
+    seqs: list[Sequence | None]
     stream: bool
 
     @property
@@ -40,7 +40,7 @@ class _Group:
         return all(s is not None and s.is_finished for s in self.seqs)
 
 
-class EngineCore:
+class SchedulerCore:
     def __init__(self, executor: Executor, tokenizer, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, collect_kv_events: bool = False):
@@ -87,7 +87,7 @@ class EngineCore:
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         self.validate(prompt_token_ids, params)
-        req = Request(request_id, prompt_token_ids, params, next(self._arrival))
+        req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
         if stream or params.stop_strings:
             self._attach_detokenizer(req)
@@ -95,7 +95,7 @@ class EngineCore:
         self.prompt_tokens += len(prompt_token_ids)
         self.scheduler.add(req)
 
-    def _attach_detokenizer(self, req: Request, replay: bool = True) -> None:
+    def _attach_detokenizer(self, req: Sequence, replay: bool = True) -> None:
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer.fast, req.token_ids[:req.num_prompt_tokens], req.params.stop_strings,
             req.params.include_stop_str_in_output, req.params.skip_special_tokens)
@@ -109,7 +109,7 @@ class EngineCore:
             return None
         for seq in group.seqs:
             if seq is not None:
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return self._make_output(group)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -118,7 +118,7 @@ class EngineCore:
         for group in list(self.groups.values()):
             for seq in group.seqs:
                 if seq is not None:
-                    self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
             out = self._make_output(group)
             out.error = message
             outs.append(out)
@@ -175,7 +175,7 @@ class EngineCore:
             self._on_token(req, tokens[0], lps[0] if lps else None)
             changed[req.request_id] = group
 
-    def _on_token(self, req: Request, token: int, lp, first_append_done: bool = False) -> None:
+    def _on_token(self, req: Sequence, token: int, lp, first_append_done: bool = False) -> None:
         if not first_append_done:
             req.token_ids.append(token)
         if lp is not None and req.logprobs is not None:
@@ -187,14 +187,14 @@ class EngineCore:
         status = None
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_ids:
-                status = RequestStatus.FINISHED_STOPPED
+                status = SequenceStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             elif stop_str is not None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
         if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
                                or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
+            status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(req, status)
 

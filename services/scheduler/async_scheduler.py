@@ -1,6 +1,6 @@
 """The engine core behind asyncio: the step loop runs on its own thread, HTTP handlers await outputs.
 
-Every call into the EngineCore happens on the loop thread (adds and aborts are queued and applied
+Every call into the SchedulerCore happens on the loop thread (adds and aborts are queued and applied
 between steps), so the core stays single-threaded. A request's stream yields cumulative
 RequestOutputs; leaving the stream early (client gone, task cancelled) aborts the request, which frees
 its KV blocks at the next step boundary. If the executor raises, every in-flight request ends with
@@ -16,14 +16,14 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from services.sampling_params import InvalidRequestError, SamplingParams
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.core import SchedulerCore
 from services.scheduler.request_output import RequestOutput, SchedulerStats
 
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
-    def __init__(self, core: EngineCore, idle_wait: float = 0.5):
+class AsyncScheduler:
+    def __init__(self, core: SchedulerCore, idle_wait: float = 0.5):
         self.core = core
         self._ops: deque[tuple] = deque()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -12,7 +12,7 @@ from services.sampling_params import SamplingParams
 from services.step_protocol import SamplingSpec
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -26,16 +26,16 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-             RequestStatus.FINISHED_ERROR}
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED,
+             SequenceStatus.FINISHED_ERROR}
 _ALLOWED = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING} | _FINISHED,
-    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _FINISHED,
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING} | _FINISHED,
+    SequenceStatus.RUNNING: {SequenceStatus.PREEMPTED} | _FINISHED,
+    SequenceStatus.PREEMPTED: {SequenceStatus.RUNNING} | _FINISHED,
 }
 
 
-class Request:
+class Sequence:
     """A sequence: its tokens, how many of them sit in the KV cache, and where it is in its life."""
 
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
@@ -53,7 +53,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.status = RequestStatus.WAITING
+        self.status = SequenceStatus.WAITING
         self.arrival = arrival
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
@@ -80,23 +80,23 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in _FINISHED
 
-    def set_status(self, new: RequestStatus) -> None:
+    def set_status(self, new: SequenceStatus) -> None:
         if new not in _ALLOWED.get(self.status, ()):
             raise AssertionError(f"{self.seq_id}: illegal transition {self.status.name} -> {new.name}")
         self.status = new
 
-    def fork(self, sample_index: int, first_token: int, arrival: int) -> Request:
+    def fork(self, sample_index: int, first_token: int, arrival: int) -> Sequence:
         """A sibling sample sharing this prompt; the caller shares the KV blocks."""
-        child = Request(self.request_id, self.token_ids[:self.num_prompt_tokens], self.params, arrival,
+        child = Sequence(self.request_id, self.token_ids[:self.num_prompt_tokens], self.params, arrival,
                         sample_index)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
         child.forked = True
-        child.status = RequestStatus.RUNNING
+        child.status = SequenceStatus.RUNNING
         child.token_ids.append(first_token)
         return child
 
     def __repr__(self) -> str:
-        return (f"Request({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+        return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
