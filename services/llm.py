@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from services.engine.config import EngineConfig
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
@@ -26,9 +27,8 @@ class LLM:
                  max_model_len: int | None = None):
         from services.engine.model_runner import ModelRunner
 
-        self.runner = ModelRunner(model, dtype=dtype, device=device, block_size=block_size,
-                                  num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=parse_bytes(kv_cache_memory),
-                                  max_model_len=max_model_len)
+        self.runner = ModelRunner(EngineConfig(model, dtype, device, block_size, num_kv_blocks,
+                                               parse_bytes(kv_cache_memory), max_model_len))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,

@@ -104,20 +104,91 @@ def _save_dequantized(model, out_dir: Path) -> None:
         model.generation_config.save_pretrained(str(out_dir))
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Turn `None` (default model), a GGUF file or a Hugging Face directory into a safetensors directory."""
-    if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
-        return convert_gguf(default_gguf_path())
+def is_default_model(model: str | os.PathLike | None) -> bool:
+    """Does this model argument name the bundled SmolLM2 (the one place that decides it)?"""
+    return model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
+
+
+def model_id_of(model: str | os.PathLike | None, model_dir: Path) -> str:
+    """The model id an engine reports for this argument: the bundled model's name, else the directory's."""
+    return DEFAULT_MODEL_NAME if is_default_model(model) else Path(model_dir).name
+
+
+# What the router and the scheduler read of a model: tokenizer, chat template and config, never weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "config.json", "generation_config.json")
+
+
+def resolve_tokenizer(model: str | os.PathLike | None) -> Path:
+    """A directory with the model's tokenizer and config files, found without converting any weights.
+
+    A Hugging Face directory is used as it is; for a GGUF file, its converted directory when one exists,
+    else its tokenizer and config alone, extracted once into the cache in a child process (so the caller
+    never imports torch).
+    """
+    gguf = _gguf_of(model)
+    if gguf is None:
+        return Path(model).expanduser()
+    converted = _converted_dir_for(gguf)
+    if (converted / _CONVERTED_MARKER).exists():
+        return converted
+    out = converted.with_name(converted.name + "-tokenizer")
+    if not (out / _CONVERTED_MARKER).exists():
+        import subprocess
+        import sys
+
+        log.info("extracting the tokenizer of %s into %s (first run only)", gguf.name, out)
+        subprocess.run([sys.executable, "-m", "services.model_source", "tokenizer", str(gguf), str(out)], check=True)
+    return out
+
+
+def _gguf_of(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file behind a model argument, or None for a Hugging Face directory (errors if neither)."""
+    if is_default_model(model):
+        return default_gguf_path()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            ggufs = sorted(path.glob("*.gguf"))
-            if ggufs:
-                return convert_gguf(ggufs[0])
-            raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
         return path
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return None
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+        raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
     raise FileNotFoundError(
         f"model {model!r} not found: pass a Hugging Face directory (config.json + safetensors) or a .gguf file"
     )
+
+
+def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
+    """Write a GGUF file's tokenizer and config (no weights) as Hugging Face files into `out_dir`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+        AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
+        (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()} (tokenizer only)\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Turn `None` (default model), a GGUF file or a Hugging Face directory into a safetensors directory."""
+    gguf = _gguf_of(model)
+    return Path(model).expanduser() if gguf is None else convert_gguf(gguf)
+
+
+if __name__ == "__main__":  # `python -m services.model_source tokenizer <gguf> <out>` (resolve_tokenizer's child)
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "tokenizer":
+        raise SystemExit("usage: python -m services.model_source tokenizer <file.gguf> <out-dir>")
+    extract_tokenizer(Path(sys.argv[2]), Path(sys.argv[3]))

@@ -11,27 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from services.ports import free_port
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "generation_config.json")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free (`pagedserve up` puts its routers on consecutive ports)."""
-    while True:
-        base = free_port()
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
 
 
 class RedisServer:

@@ -185,8 +185,9 @@ def run_overhead(args) -> int:
     import asyncio
 
     from services.block_hash import model_hash_seed
-    from services.commands.up import Child, free_port
+    from services.commands.up import Child
     from services.model_source import DEFAULT_MODEL_NAME
+    from services.ports import free_port
     from services.registry.model import ReplicaInfo, ReplicaLoad, ReplicaState
     from services.registry.redis_sink import RedisSink, connect
 

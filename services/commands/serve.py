@@ -9,43 +9,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-from types import SimpleNamespace
 
-from services.commands.router import build_router
 from services.commands.scheduler import replica_settings
+from services.engine.config import EngineConfig
 from services.openai_api.server import make_server, run_servers
+from services.ports import free_port
 from services.registry.memory_index import MemoryIndex
 from services.replica.service import build_replica
 from services.router.app import create_router_app
-from services.settings import parse_bytes
+from services.router.auth import ApiKeys
+from services.router.prompt_tokenizer import PromptTokenizer
+from services.router.service import RouterConfig, RouterService
 
 log = logging.getLogger(__name__)
 
 REPLICA_ID = "local"
 
 
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args) -> int:
     from services.engine.model_runner import ModelRunner
     from services.scheduler.executor import InProcessExecutor
 
-    runner = ModelRunner(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
-                         max_model_len=args.max_model_len)
+    runner = ModelRunner(EngineConfig.from_args(args))
     replica = build_replica(InProcessExecutor(runner), runner.model_dir, replica_settings(args))
     index = MemoryIndex()
-    internal_port = _free_loopback_port()
+    internal_port = free_port()
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
                                   heartbeat_interval=1.0)
-    router_args = SimpleNamespace(**{**vars(args), "served_model_name": replica.model_name, "policy": "prefix",
-                                     "max_queue": 256, "request_timeout": 600.0})
-    router = build_router(router_args, index)
+    keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+    router = RouterService(RouterConfig(max_body_bytes=args.max_body_bytes), PromptTokenizer(runner.model_dir),
+                           index, keys)
     drain = getattr(args, "drain_timeout", 30.0)
     def render_metrics() -> tuple[bytes, str]:
         # One process, one scrape: the router's series and the replica's (queue, KV, latency).

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from services.ports import free_port
+
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 15.0
 READY_TIMEOUT = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -134,7 +129,7 @@ class LocalCluster:
             self.scheduler_urls.append(url)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = _flags(a, ["model", "served_model_name", "block_size", "policy", "api_keys_file",
+            router_flags = _flags(a, ["model", "policy", "api_keys_file",
                                       "api_keys", "max_body_bytes", "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
                                                       "--redis-url", self.redis_url, *router_flags]))

@@ -14,9 +14,10 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from services.engine.attention import AttentionMetadata
+from services.engine.config import EngineConfig
 from services.engine.model_loader import load_llama
 from services.engine.sampler import Sampler, SampleRow
-from services.model_source import DEFAULT_MODEL_NAME, resolve_model
+from services.model_source import model_id_of, resolve_model
 from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -60,16 +61,15 @@ def _eos_ids(model_dir: Path, hf_cfg: dict) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: str | Path | None = None, dtype: str = "bfloat16", device: str = "auto",
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int = 4 << 30, max_model_len: int | None = None,
-                 model_id: str | None = None):
+    def __init__(self, config: EngineConfig):
+        dtype, block_size = config.dtype, config.block_size
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        self.model_dir = resolve_model(model)
-        self.device = pick_device(device)
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.device = pick_device(config.device)
         self.dtype = _DTYPES[dtype]
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")
@@ -77,7 +77,7 @@ class ModelRunner:
         cfg = self.model.config
         self.block_size = block_size
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        self.num_kv_blocks = num_kv_blocks or max(2, kv_cache_memory_bytes // per_block)
+        self.num_kv_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
@@ -87,16 +87,15 @@ class ModelRunner:
             advise_huge_pages(arena)
         arena.zero_()
         self.kv_caches = [(arena[i, 0], arena[i, 1]) for i in range(cfg.num_layers)]
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
         # a first build takes about a minute that must not land on the first request after "ready".
         built = cpu_kernels.load() if self.device.type == "cpu" else None
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
-        is_default = model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
         self.info = EngineInfo(
-            model_id=model_id or (DEFAULT_MODEL_NAME if is_default else self.model_dir.name),
+            model_id=model_id_of(config.model, self.model_dir),
             block_size=block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
             eos_token_ids=_eos_ids(self.model_dir, hf_cfg))

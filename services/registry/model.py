@@ -11,6 +11,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """How a replica's scheduler identifies its model's prefix blocks (decided once, from its engine's
+    handshake, and learned by routers from the registry: they never guess it)."""
+
+    model: str  # served model name
+    block_size: int
+    hash_seed: int
+
+
 @dataclass(slots=True)
 class ReplicaInfo:
     replica_id: str
@@ -20,6 +30,10 @@ class ReplicaInfo:
     max_model_len: int
     capacity: int  # requests it runs at once (max_num_seqs): the scale of its load figures
     hash_seed: int  # root of its block-hash chains (services.block_hash.model_hash_seed of its engine)
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.model, self.block_size, self.hash_seed)
 
 
 @dataclass(slots=True)

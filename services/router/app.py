@@ -24,7 +24,7 @@ def create_router_app(service: RouterService,
 
     async def models(request: Request) -> dict:
         service.keys.check(request.headers.get("authorization"))
-        return models_body([(service.config.model_name, service.max_model_len)])
+        return models_body(await service.view.models())
 
     add_openai_routes(app, service, models, render_metrics or service.metrics.render)
 

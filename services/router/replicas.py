@@ -12,7 +12,8 @@ import time
 from collections import defaultdict
 from typing import Protocol
 
-from services.registry.model import PrefixIndex, ReplicaInfo, ReplicaLoad, ReplicaState
+from services.openai_api.errors import APIError
+from services.registry.model import ModelIdentity, PrefixIndex, ReplicaInfo, ReplicaLoad, ReplicaState
 from services.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ SATURATION_FACTOR = 2
 EMPTY_GRACE = 5.0
 # While the index is down, one request per this many seconds tries it again; the rest skip it.
 INDEX_RETRY = 0.5
+# A request for a model no known replica serves re-reads the registry at most this often.
+IDENTITY_REFRESH = 0.5
 
 
 class ReplicaFilter(Protocol):
@@ -40,11 +43,46 @@ class ReplicaView:
         self._last_at = 0.0
         self._index_down = False
         self._retry_at = 0.0
+        self._identity_read_at = 0.0
 
     @property
     def known(self) -> list[ReplicaState]:
-        """The replicas of the last good snapshot (for their seeds and limits)."""
+        """The replicas of the last good snapshot (for their identities and limits)."""
         return self._last
+
+    async def identity(self, model: str) -> tuple[ModelIdentity, int]:
+        """The identity replicas serving `model` published, and their smallest max model length.
+
+        404 when replicas are registered but none serves `model`; 503 when none is registered at all.
+        """
+        found = self._identity(model)
+        if found is None and time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
+            self._identity_read_at = time.monotonic()
+            await self._read([])
+            found = self._identity(model)
+        if found is not None:
+            return found
+        if self._last:
+            names = sorted({s.info.model for s in self._last})
+            raise APIError(404, f"The model `{model}` does not exist; served: {', '.join(names)}.", "model",
+                           "model_not_found")
+        raise APIError(503, "no healthy replica is registered", code="no_replicas", headers={"Retry-After": "1"})
+
+    def _identity(self, model: str) -> tuple[ModelIdentity, int] | None:
+        serving = [s.info for s in self._last if s.info.model == model]
+        if not serving:
+            return None
+        identity = serving[0].identity
+        return identity, min(i.max_model_len for i in serving if i.identity == identity)
+
+    async def models(self) -> list[tuple[str, int]]:
+        """(served model, max model length) of every model the registry knows, for /v1/models."""
+        if not self._last:
+            await self._read([])
+        lens: dict[str, int] = {}
+        for s in self._last:
+            lens[s.info.model] = min(lens.get(s.info.model, s.info.max_model_len), s.info.max_model_len)
+        return sorted(lens.items())
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
         states = await self._read(block_hashes)

@@ -18,8 +18,7 @@ from services.block_hash import hash_blocks
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
-from services.openai_api.routes import check_model
-from services.registry.model import PrefixIndex
+from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
 from services.router.metrics import RouterMetrics
@@ -34,10 +33,9 @@ SESSION_HEADER = "x-session-id"
 
 @dataclass
 class RouterConfig:
-    model_name: str
-    max_model_len: int  # until replicas publish theirs
-    block_size: int  # likewise
-    hash_seed: int  # likewise
+    """How this router routes. What it routes to (model name, block size, hash seed, context length)
+    it learns from the replicas' registry records."""
+
     policy: str = "prefix"
     max_queue: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
@@ -56,11 +54,6 @@ class RouterService:
         self.admission = Admission(config.max_queue, self.metrics)
         self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done)
         self._background: set[asyncio.Task] = set()
-
-    @property
-    def max_model_len(self) -> int:
-        known = [s.info.max_model_len for s in self.view.known]
-        return min(known) if known else self.config.max_model_len
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(self._route(request, CompletionRequest, "/v1/completions"))
@@ -83,14 +76,14 @@ class RouterService:
         self.keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
-        check_model(req.model, self.config.model_name)
-        prepared = await prepare_async(req, self.tokenizer, self.max_model_len)
+        identity, max_model_len = await self.view.identity(req.model)
+        prepared = await prepare_async(req, self.tokenizer, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
-        route = RouteRequest(self._hash(ids), len(ids), self.config.block_size,
-                             request.headers.get(SESSION_HEADER))
-        ranked = await self.admission.admit(lambda: self._pick(ids, route), self.config.request_timeout)
+        route = RouteRequest(hash_blocks(ids, identity.block_size, identity.hash_seed), len(ids),
+                             identity.block_size, request.headers.get(SESSION_HEADER))
+        ranked = await self.admission.admit(lambda: self._pick(identity, route), self.config.request_timeout)
         chosen = ranked[0]
         self.metrics.decisions.labels(self.policy.name, chosen.info.replica_id).inc()
         self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
@@ -98,25 +91,15 @@ class RouterService:
             self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes))
         return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
 
-    async def _pick(self, ids: list[int], route: RouteRequest) -> list | None:
-        replicas = await self.view.snapshot(route.block_hashes)
-        if replicas:
-            info = replicas[0].info
-            if (info.hash_seed, info.block_size) != (self.config.hash_seed, self.config.block_size):
-                # The replicas hash with another seed or block size than our start-up guess: adopt theirs.
-                self.config.hash_seed, self.config.block_size = info.hash_seed, info.block_size
-                route.block_hashes, route.block_size = self._hash(ids), info.block_size
-                replicas = await self.view.snapshot(route.block_hashes)
+    async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:
+        replicas = [r for r in await self.view.snapshot(route.block_hashes) if r.info.identity == identity]
         if not replicas:
-            raise APIError(503, "no healthy replica is registered", code="no_replicas",
+            raise APIError(503, f"no healthy replica of {identity.model} is registered", code="no_replicas",
                            headers={"Retry-After": "1"})
         open_ = [r for r in replicas if not saturated(r)]
         if not open_:
             return None
         return self.policy.rank(open_, route)
-
-    def _hash(self, ids: list[int]) -> list[int]:
-        return hash_blocks(ids, self.config.block_size, self.config.hash_seed)
 
     def _started(self, replica_id: str) -> None:
         self.view.inflight[replica_id] += 1

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import free_port
+from services.ports import free_port
 
 pytest.importorskip("services.scheduler.async_scheduler")
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai_checks import check_bad_input, check_chat_and_completions, check_stop_strings, client, kv_usage
 
-from tests.conftest import free_port
+from services.ports import free_port
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_scheduler")

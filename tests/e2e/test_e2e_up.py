@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from services.ports import free_port
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_scheduler")

@@ -13,6 +13,7 @@ from fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
 
 from services.block_hash import hash_blocks
 from services.model_source import resolve_model
+from services.ports import free_port
 from services.registry.model import ReplicaLoad
 from services.registry.redis_sink import connect
 from services.router.app import create_router_app
@@ -20,7 +21,7 @@ from services.router.auth import ApiKeys
 from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
-from tests.conftest import AppServer, free_port
+from tests.conftest import AppServer
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 
@@ -32,8 +33,7 @@ def tokenizer():
 
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
                 max_queue: int = 16) -> AppServer:
-    config = RouterConfig(model_name=MODEL, max_model_len=2048, block_size=BLOCK, hash_seed=SEED, policy=policy,
-                          max_queue=max_queue, request_timeout=10.0)
+    config = RouterConfig(policy=policy, max_queue=max_queue, request_timeout=10.0)
     service = RouterService(config, tokenizer, RedisIndex(connect(redis_url)), ApiKeys(keys or []))
     return AppServer(create_router_app(service))
 
@@ -106,7 +106,7 @@ def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):
     keys_file.write_text("# comment\nsk-one\n")
     keys = ApiKeys.from_sources(str(keys_file), "sk-two")
     with FakeReplicas(redis_server.url, ["a"]):
-        config = RouterConfig(MODEL, 2048, BLOCK, SEED)
+        config = RouterConfig()
         service = RouterService(config, tokenizer, RedisIndex(connect(redis_server.url)), keys)
         with AppServer(create_router_app(service)) as r:
             assert chat(r.url, "x").status_code == 401

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
+from services.ports import free_port
 from services.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
 from services.tokenizer import ModelTokenizer
 from services.transport import EngineUnavailableError, RemoteExecutor
-from tests.conftest import free_port
 
 
 def start_engine(model_dir, port: int) -> subprocess.Popen:
@@ -46,6 +46,7 @@ def engine_process(tiny_llama_dir):
 
 
 def test_remote_engine_matches_in_process_engine(tiny_llama_dir, engine_process):
+    from services.engine.config import EngineConfig
     from services.engine.model_runner import ModelRunner
 
     _, port = engine_process
@@ -55,7 +56,7 @@ def test_remote_engine_matches_in_process_engine(tiny_llama_dir, engine_process)
     remote = RemoteExecutor(f"tcp://127.0.0.1:{port}", timeout=60)
     remote.wait_ready(120)
     got = run_to_end(SchedulerCore(remote, tok, collect_kv_events=True), prompts, params)
-    runner = ModelRunner(tiny_llama_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    runner = ModelRunner(EngineConfig(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=64))
     want = run_to_end(SchedulerCore(InProcessExecutor(runner), tok), prompts, params)
     assert got == want and len(got["r0"]) == 8
     remote.close()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 
 import pytest
 
+from services.ports import free_port
 from services.step_protocol import (
     EngineInfo,
     ModelRunnerOutput,
@@ -46,12 +46,6 @@ class FakeRunner:
 
     def reset(self) -> None:
         self.resets += 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _step(seq_id: str = "a", tokens=(1, 2, 3)) -> SchedulerOutput:
@@ -95,7 +89,7 @@ def test_engine_side_error_is_an_exception_and_the_engine_keeps_serving(served):
 
 
 def test_no_engine_listening_fails_fast():
-    ex = RemoteExecutor(f"tcp://127.0.0.1:{_free_port()}", timeout=30.0)
+    ex = RemoteExecutor(f"tcp://127.0.0.1:{free_port()}", timeout=30.0)
     t0 = time.monotonic()
     with pytest.raises(EngineUnavailableError, match="not connected"):
         ex.execute(_step())
@@ -116,7 +110,7 @@ def _start_child(port: int, step_sleep: float):
 
 
 def _child_and_executor(step_sleep: float, timeout: float):
-    port = _free_port()
+    port = free_port()
     proc = _start_child(port, step_sleep)
     ex = RemoteExecutor(f"tcp://127.0.0.1:{port}", timeout=timeout)
     ex.wait_ready(30.0)
