@@ -1,7 +1,9 @@
-"""Paged-attention kernels: Triton versions for CUDA and PyTorch references (the CPU backend).
+"""Paged-attention kernels: Triton versions (CUDA, or the CPU under TRITON_INTERPRET=1), C++ kernels for
+the CPU (kernels.cpu) and PyTorch references that specify them all.
 
 Public API: write_kv, decode_attention, prefill_attention and their *_ref twins, same signatures. The
-engine calls the Triton versions on CUDA tensors and the references on CPU tensors.
+engine's attention backend (services/engine/attention.py) picks Triton on CUDA and kernels.cpu on the
+CPU; the references are the fallback when the C++ kernels cannot be built, and what tests judge by.
 
 Importing this package never imports Triton: the engine imports it on CPU-only machines, and Triton
 must see TRITON_INTERPRET before its kernels are defined. Each Triton entry point imports its module

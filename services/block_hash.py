@@ -27,11 +27,14 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, seed: int, start_block: int = 0,
-                parent_hash: int | None = None) -> list[int]:
-    """Hashes of the full blocks of `token_ids` from block `start_block` on."""
+                parent_hash: int | None = None, num_blocks: int | None = None) -> list[int]:
+    """Hashes of the full blocks of `token_ids` from block `start_block` on (up to `num_blocks` blocks in
+    all); `parent_hash` is the hash of block `start_block - 1` when starting mid-chain."""
     parent = seed if parent_hash is None else parent_hash
     out: list[int] = []
     n_full = len(token_ids) // block_size
+    if num_blocks is not None:
+        n_full = min(n_full, num_blocks)
     for i in range(start_block, n_full):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         out.append(parent)

@@ -61,7 +61,7 @@ class LLM:
         rids = []
         for ids, p in zip(token_lists, plist, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.core.add_request(rid, ids, p)
+            self.core.add_request(rid, ids, p, validated=True)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 

@@ -79,17 +79,3 @@ class SamplingParams:
             not is_int(self.logprobs) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def to_wire(self) -> dict:
-        """The subset the engine needs to sample, as a msgpack-friendly dict."""
-        return {
-            "temperature": float(self.temperature),
-            "top_p": float(self.top_p),
-            "top_k": int(self.top_k),
-            "seed": self.seed,
-            "logprobs": self.logprobs,
-        }

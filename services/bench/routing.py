@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import random
 import shutil
 import statistics
 import sys
@@ -25,9 +24,7 @@ from types import SimpleNamespace
 
 import httpx
 
-_WORDS = ("cargo manifest customs invoice pallet freight harbor vessel route schedule container tariff "
-          "insurance warehouse clearance broker dock crane berth ledger audit priority express parcel "
-          "courier tracking delay weather storm fuel captain crew inspection seal hazard refund claim").split()
+from services.bench.workloads import shared_prefix_chats
 
 
 @dataclass
@@ -38,20 +35,6 @@ class Result:
     per_replica: Counter
     seconds: float
     errors: int
-
-
-def make_workload(groups: int, questions: int, system_tokens: int, seed: int) -> list[tuple[int, list[dict]]]:
-    rng = random.Random(seed)
-    requests = []
-    for g in range(groups):
-        words = [rng.choice(_WORDS) for _ in range(int(system_tokens * 0.8))]  # ~1.25 tokens per word
-        system = f"You are dispatcher number {g} of fleet {rng.randrange(10**6)}. House rules: " + " ".join(words)
-        for q in range(questions):
-            topic, parcel = rng.choice(_WORDS), rng.randrange(10**4)
-            question = f"Question {q}: what should I do about the {topic} of parcel {parcel}?"
-            requests.append((g, [{"role": "system", "content": system}, {"role": "user", "content": question}]))
-    rng.shuffle(requests)
-    return requests
 
 
 def perfect_cached(prompts: list[list[int]], block_size: int) -> int:
@@ -106,7 +89,7 @@ def run_routing(args) -> int:
     from services.model_source import resolve_model
     from services.router.prompt_tokenizer import PromptTokenizer
 
-    workload = make_workload(args.groups, args.questions, args.system_tokens, args.seed)
+    workload = shared_prefix_chats(args.groups, args.questions, args.system_tokens, args.seed)
     tokenizer = PromptTokenizer(resolve_model(args.model))
     prompts = [tokenizer.apply_chat_template(msgs) for _, msgs in workload]
     perfect = perfect_cached(prompts, args.block_size)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from services.bench.kv_efficiency import StepObserver
-from services.bench.workloads import make_workload
+from services.bench.workloads import offline_workload
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -85,7 +85,7 @@ def run(args) -> int:
 
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    requests = make_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
+    requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
     print(f"workload {args.workload}: {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.output_len for r in requests)} output tokens", flush=True)

@@ -1,4 +1,5 @@
-"""The benchmark workloads W1-W3: seeded random token-id prompts with fixed output lengths, EOS ignored."""
+"""Benchmark workloads, all generated from a seed: W1-W3 (random token-id prompts with fixed output
+lengths, EOS ignored) and shared-prefix chats (system prompts shared by groups of questions)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0) -> list[BenchRequest]:
+def offline_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0) -> list[BenchRequest]:
     rng = random.Random(seed)
     name = name.lower()
     if name == "w1":
@@ -33,3 +34,23 @@ def make_workload(name: str, vocab_size: int, seed: int = 0, scale: float = 1.0)
         rng.shuffle(reqs)
         return reqs
     raise ValueError(f"unknown workload {name!r}: w1, w2 or w3")
+
+
+_WORDS = ("cargo manifest customs invoice pallet freight harbor vessel route schedule container tariff "
+          "insurance warehouse clearance broker dock crane berth ledger audit priority express parcel "
+          "courier tracking delay weather storm fuel captain crew inspection seal hazard refund claim").split()
+
+
+def shared_prefix_chats(groups: int, questions: int, system_tokens: int, seed: int) -> list[tuple[int, list[dict]]]:
+    """(group, chat messages) pairs, shuffled: each group's questions share one ~system_tokens system prompt."""
+    rng = random.Random(seed)
+    requests = []
+    for g in range(groups):
+        words = [rng.choice(_WORDS) for _ in range(int(system_tokens * 0.8))]  # ~1.25 tokens per word
+        system = f"You are dispatcher number {g} of fleet {rng.randrange(10**6)}. House rules: " + " ".join(words)
+        for q in range(questions):
+            topic, parcel = rng.choice(_WORDS), rng.randrange(10**4)
+            question = f"Question {q}: what should I do about the {topic} of parcel {parcel}?"
+            requests.append((g, [{"role": "system", "content": system}, {"role": "user", "content": question}]))
+    rng.shuffle(requests)
+    return requests

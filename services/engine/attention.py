@@ -2,8 +2,9 @@
 
 Tokens are laid out decodes first (one token each), then prefill chunks. Decodes go through the
 batched decode kernel; prefill chunks through the chunked-prefill kernel. CUDA tensors use the Triton
-kernels; on the CPU, decodes use the compiled C++ kernel (kernels.cpu) and prefills the PyTorch
-reference, whose SDPA call is already an efficient CPU flash-attention.
+kernels; on the CPU, decodes and KV writes use the compiled C++ kernels (kernels.cpu), and prefills go
+through services/engine/cpu_prefill.py (SDPA for fresh prompts, the C++ decode kernel for
+continuations where AMX runs it, masked SDPA otherwise).
 """
 
 from __future__ import annotations

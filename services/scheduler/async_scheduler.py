@@ -86,10 +86,6 @@ class AsyncScheduler:
         """Snapshot taken after the latest step (never blocks on a running step)."""
         return self._stats
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop = True
         self._wake.set()
@@ -115,7 +111,7 @@ class AsyncScheduler:
                 if rid not in self._streams:
                     continue  # cancelled before it was queued in the core
                 try:
-                    core.add_request(rid, prompt, params, stream=True)
+                    core.add_request(rid, prompt, params, stream=True, validated=True)
                 except InvalidRequestError as e:
                     self._deliver(rid, e)
                 except Exception as e:  # never let one bad request stop the loop

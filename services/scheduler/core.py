@@ -67,6 +67,7 @@ class SchedulerCore:
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What this model and KV cache can serve. SamplingParams checked their own ranges when built."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -80,13 +81,14 @@ class SchedulerCore:
         usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
         if n + 1 > usable:
             raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
-        params.validate()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool = False) -> None:
+                    stream: bool = False, validated: bool = False) -> None:
+        """Queue a request; `validated` when the caller already ran `validate` on it."""
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        self.validate(prompt_token_ids, params)
+        if not validated:
+            self.validate(prompt_token_ids, params)
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
         if stream or params.stop_strings:

@@ -6,7 +6,7 @@ partial block shared after a fork is copied (copy-on-write) before the first wri
 
 from __future__ import annotations
 
-from services.block_hash import hash_block
+from services.block_hash import hash_blocks
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.sequence import Sequence
 
@@ -26,12 +26,9 @@ class KVCacheManager:
 
     # -- hashing ----------------------------------------------------------------------------
     def _extend_hashes(self, req: Sequence, upto_tokens: int) -> None:
-        bs = self.block_size
         hashes = req.block_hashes
-        parent = hashes[-1] if hashes else self.hash_seed
-        for i in range(len(hashes), upto_tokens // bs):
-            parent = hash_block(parent, req.token_ids[i * bs:(i + 1) * bs])
-            hashes.append(parent)
+        hashes += hash_blocks(req.token_ids, self.block_size, self.hash_seed, start_block=len(hashes),
+                              parent_hash=hashes[-1] if hashes else None, num_blocks=upto_tokens // self.block_size)
 
     # -- admission --------------------------------------------------------------------------
     def find_cached_prefix(self, req: Sequence) -> list[KVBlock]:
