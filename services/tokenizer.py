@@ -1,36 +1,117 @@
-"""Tokenizer of a served model: encoding, chat templates, and a torch-free decoder for detokenization.
+"""A served model's tokenizer: `tokenizers` plus the model's Jinja chat template, without transformers.
 
-Shared by the router (which tokenizes once and forwards ids) and the scheduler (which detokenizes).
+One class for the router (which tokenizes once and forwards ids), the scheduler (which detokenizes)
+and the offline API. transformers imports torch, which would make every router and scheduler pay
+seconds of start-up and hundreds of MB for a model they never run. Rendering follows transformers'
+`apply_chat_template` (sandboxed Jinja, trim_blocks/lstrip_blocks, special tokens parsed, none added),
+so the ids equal what transformers produces (a test holds them to it).
+
+Rendered chats are encoded piecewise: the tokenizer splits its input at special tokens before anything
+else, so the text between two special tokens encodes the same alone, and those pieces (system prompts
+above all) repeat from request to request. A bounded cache of piece encodings takes the tokenizer off
+the router's hot path. The equivalence is checked at start-up and the cache disabled if it fails.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+from collections import OrderedDict
+from datetime import datetime
 from pathlib import Path
 
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
 
 
 class ModelTokenizer:
     def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
-        self.model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.fast: Tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        model_dir = Path(model_dir)
+        self.fast = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template = config.get("chat_template")
+        if (model_dir / "chat_template.jinja").exists():
+            template = (model_dir / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise ValueError(f"{model_dir} has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+        self._template = env.from_string(template)
+        self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token",
+                                                                  "pad_token")}
         self.vocab_size = self.fast.get_vocab_size()
-        self.eos_token_id = self.hf.eos_token_id
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()  # long prompts are tokenized in worker threads
+        self._splitter = self._special_splitter()
+        if self._splitter is not None and not self._piecewise_matches():
+            self._splitter = None
+
+    _CACHE_PIECES = 4096
+
+    def _special_splitter(self) -> re.Pattern | None:
+        added = self.fast.get_added_tokens_decoder().values()
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added):
+            return None  # tokens that absorb neighbouring text: pieces would not encode independently
+        alternatives = sorted((t.content for t in added), key=len, reverse=True)
+        return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+
+    def _piecewise_matches(self) -> bool:
+        sample = [{"role": "system", "content": "Be precise. <|im_end|> is literal here"},
+                  {"role": "user", "content": "  Hello\n\nworld ✓ 12345"},
+                  {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": " trailing space "}]
+        text = self.render_chat(sample)
+        return self._encode_pieces(text) == self.fast.encode(text, add_special_tokens=False).ids
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(self._splitter.split(text)):
+            if not piece:
+                continue
+            if i % 2:  # odd positions are the special tokens the pattern captured
+                ids.append(self.fast.token_to_id(piece))
+                continue
+            with self._lock:
+                cached = self._pieces.get(piece)
+                if cached is not None:
+                    self._pieces.move_to_end(piece)
+            if cached is None:
+                cached = self.fast.encode(piece, add_special_tokens=False).ids
+                with self._lock:
+                    self._pieces[piece] = cached
+                    if len(self._pieces) > self._CACHE_PIECES:
+                        self._pieces.popitem(last=False)
+            ids.extend(cached)
+        return ids
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.fast.encode(text, add_special_tokens=True).ids
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt)
+        if self._splitter is not None:
+            return self._encode_pieces(text)
+        return self.fast.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.fast.decode(token_ids, skip_special_tokens=skip_special_tokens)

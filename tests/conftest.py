@@ -150,3 +150,13 @@ def smol_tokenizer():
     from services.tokenizer import ModelTokenizer
 
     return ModelTokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="session")
+def hf_smol_tokenizer():
+    """transformers' own tokenizer of SmolLM2: what ModelTokenizer must agree with."""
+    from transformers import AutoTokenizer
+
+    from services.model_source import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(None)))

@@ -87,10 +87,10 @@ def _drive(router_url: str, model: str, workload, concurrency: int, max_tokens: 
 def run_routing(args) -> int:
     from services.commands.up import LocalCluster
     from services.model_source import resolve_model
-    from services.router.prompt_tokenizer import PromptTokenizer
+    from services.tokenizer import ModelTokenizer
 
     workload = shared_prefix_chats(args.groups, args.questions, args.system_tokens, args.seed)
-    tokenizer = PromptTokenizer(resolve_model(args.model))
+    tokenizer = ModelTokenizer(resolve_model(args.model))
     prompts = [tokenizer.apply_chat_template(msgs) for _, msgs in workload]
     perfect = perfect_cached(prompts, args.block_size)
     print(f"workload: {args.groups} system prompts x {args.questions} questions = {len(workload)} requests, "

@@ -10,9 +10,9 @@ from services.openai_api.server import make_server, run_servers
 from services.registry.redis_sink import connect, redacted
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys
-from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
+from services.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def run(args) -> int:
     if keys.enabled:
         log.info("API keys required (%s)", "file and/or env" if args.api_keys_file else "env/flag")
     # Tokenizer and chat template only: the router never loads (or converts) weights.
-    tokenizer = PromptTokenizer(resolve_tokenizer(args.model))
+    tokenizer = ModelTokenizer(resolve_tokenizer(args.model))
     service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url)), keys, replica_filter)
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)
     log.info("router on %s:%d, policy %s, registry %s", args.host, args.port, args.policy, redacted(args.redis_url))

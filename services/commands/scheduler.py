@@ -11,9 +11,10 @@ import asyncio
 import logging
 import socket
 
-from services.model_source import resolve_model
+from services.model_source import resolve_tokenizer
 from services.openai_api.server import StartingApp, make_server, run_servers
 from services.replica.service import ReplicaSettings, build_replica
+from services.tokenizer import ModelTokenizer
 from services.transport.remote_executor import RemoteExecutor
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ def run(args) -> int:
 
 
 async def _main(args) -> None:
-    model_dir = await asyncio.to_thread(resolve_model, args.model)
+    # Tokenizer and config only: the engine owns the weights (and any conversion of them).
+    tokenizer = ModelTokenizer(await asyncio.to_thread(resolve_tokenizer, args.model))
     executor = RemoteExecutor(args.engine, timeout=args.engine_timeout)
     starting = StartingApp("the engine is not ready yet")
     server = make_server(starting, args.host, args.port, args.drain_timeout, args.log_level, lifespan="off")
@@ -56,7 +58,7 @@ async def _main(args) -> None:
     async def start_replica() -> None:
         log.info("waiting for the engine at %s", args.engine)
         await asyncio.to_thread(executor.wait_ready, ENGINE_STARTUP_TIMEOUT)
-        service = await asyncio.to_thread(build_replica, executor, model_dir, replica_settings(args))
+        service = await asyncio.to_thread(build_replica, executor, tokenizer, replica_settings(args))
         starting.target = service.app
         log.info("replica ready: model %s, %d KV blocks", service.model_name, service.replica.core.info.num_kv_blocks)
         tasks = [service.replica.supervise()]

@@ -18,8 +18,8 @@ from services.registry.memory_index import MemoryIndex
 from services.replica.service import build_replica
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys
-from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.service import RouterConfig, RouterService
+from services.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,14 @@ def run(args) -> int:
     from services.scheduler.executor import InProcessExecutor
 
     runner = ModelRunner(EngineConfig.from_args(args))
-    replica = build_replica(InProcessExecutor(runner), runner.model_dir, replica_settings(args))
+    tokenizer = ModelTokenizer(runner.model_dir)
+    replica = build_replica(InProcessExecutor(runner), tokenizer, replica_settings(args))
     index = MemoryIndex()
     internal_port = free_port()
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
                                   heartbeat_interval=1.0)
     keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
-    router = RouterService(RouterConfig(max_body_bytes=args.max_body_bytes), PromptTokenizer(runner.model_dir),
+    router = RouterService(RouterConfig(max_body_bytes=args.max_body_bytes), tokenizer,
                            index, keys)
     drain = getattr(args, "drain_timeout", 30.0)
     def render_metrics() -> tuple[bytes, str]:

@@ -7,7 +7,6 @@ engine, in-memory registry), so both run the same code path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -17,6 +16,7 @@ from services.replica.app import create_replica_app
 from services.replica.health import Replica
 from services.replica.metrics import SchedulerMetrics
 from services.replica.serving import OpenAIServing, ServingConfig
+from services.tokenizer import ModelTokenizer
 
 
 @dataclass
@@ -47,13 +47,10 @@ class ReplicaService:
         return pub
 
 
-def build_replica(executor, model_dir: str | Path, settings: ReplicaSettings) -> ReplicaService:
+def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings) -> ReplicaService:
     """Handshake with the engine (through `executor`) and build the replica on top of it."""
     from services.scheduler.async_scheduler import AsyncScheduler
     from services.scheduler.core import SchedulerCore
-    from services.tokenizer import ModelTokenizer
-
-    tokenizer = ModelTokenizer(model_dir)
     core = SchedulerCore(executor, tokenizer, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens,
                       enable_prefix_caching=settings.enable_prefix_caching, max_model_len=settings.max_model_len,

@@ -18,9 +18,9 @@ from services.registry.model import ReplicaLoad
 from services.registry.redis_sink import connect
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys
-from services.router.prompt_tokenizer import PromptTokenizer
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
+from services.tokenizer import ModelTokenizer
 from tests.conftest import AppServer
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
@@ -28,7 +28,7 @@ SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return PromptTokenizer(resolve_model(None))
+    return ModelTokenizer(resolve_model(None))
 
 
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
@@ -49,12 +49,20 @@ def chat_hashes(tokenizer, question: str, system: str = SYSTEM) -> tuple[list[in
     return ids, hash_blocks(ids, BLOCK, SEED)
 
 
-def test_router_tokenizer_matches_transformers(tokenizer, smol_tokenizer):
+def test_router_tokenizer_matches_transformers(tokenizer, hf_smol_tokenizer):
+    def hf_chat(messages):
+        ids = hf_smol_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Ünïcode ✓"}]
-    assert tokenizer.apply_chat_template(msgs) == smol_tokenizer.apply_chat_template(msgs)
-    assert tokenizer.apply_chat_template(msgs[1:2]) == smol_tokenizer.apply_chat_template(msgs[1:2])
-    assert tokenizer.encode("plain text") == smol_tokenizer.encode("plain text")
+    assert tokenizer.apply_chat_template(msgs) == hf_chat(msgs)
+    assert tokenizer.apply_chat_template(msgs[1:2]) == hf_chat(msgs[1:2])
+    assert tokenizer.encode("plain text") == hf_smol_tokenizer.encode("plain text", add_special_tokens=True)
+    text = "decode ✓ <|im_end|> back"
+    ids = hf_smol_tokenizer.encode(text)
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip) == hf_smol_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def test_prefix_affinity_token_ids_forwarded_and_two_routers_agree(tokenizer, redis_server):
