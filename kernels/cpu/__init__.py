@@ -8,41 +8,31 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
-_HERE = Path(__file__).parent
-_SOURCES = [str(_HERE / n) for n in ("paged_decode.cpp", "amx_decode.cpp", "fused_ops.cpp")]
-_HEADERS = [_HERE / "widen.h", _HERE / "simd_exp.h"]
-
-
-def _build_name() -> str:
-    # torch's build cache notices edited sources but not headers: name the build after all of them.
-    import hashlib
-
-    digest = hashlib.sha256(b"".join(Path(p).read_bytes() for p in [*_SOURCES, *_HEADERS])).hexdigest()[:10]
-    return f"pagedserve_cpu_kernels_{digest}"
 _module = None
 _failed = False
 
 
 def load():
-    """The compiled extension, or None when it cannot be built here (logged once)."""
+    """The compiled extension, or None when it cannot be built here (logged once).
+
+    The build (kernels.cpu.build) is keyed by everything that changes it, cached under the pagedserve
+    cache, and its lock cannot go stale; a wait on another process's compile is bounded.
+    """
     global _module, _failed
     if _module is not None or _failed:
         return _module
     if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
         _failed = True
         return None
-    try:
-        from torch.utils.cpp_extension import load as load_ext
+    from kernels.cpu.build import build
 
-        _module = load_ext(name=_build_name(), sources=_SOURCES, extra_include_paths=[str(_HERE)],
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, unsupported flags: keep serving on the references
+    try:
+        _module = build()
+    except Exception as e:  # no compiler, no ninja, unsupported flags, a compile that never ends
         log.warning("CPU attention kernels unavailable (%s); using the PyTorch references", e)
         _failed = True
         return None

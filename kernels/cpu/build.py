@@ -1,0 +1,156 @@
+"""Building the C++ CPU kernels: a build directory per distinct build, and a lock that cannot go stale.
+
+torch's extension builder guards a build with a lock *file* that a killed compile leaves behind, after
+which every later start waits on it forever, silently. And its default directory
+(~/.cache/torch_extensions/<name>) is shared by every virtualenv, though each compiles with its own
+include paths, so two virtualenvs rebuild each other's build. Here:
+
+- the build directory lives under the pagedserve cache (PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve,
+  as services.model_source) and is named by a digest of everything that changes the build: torch's
+  version and include paths, the compiler, the flags, the sources and headers;
+- pagedserve's own lock is an flock(2), which the kernel releases when its holder dies, so it is never
+  stale; whoever holds it may delete torch's leftover lock file, since no one else can be compiling;
+- a start that must compile says so, and a start that waits on another process's compile says whose,
+  up to PAGEDSERVE_KERNEL_BUILD_TIMEOUT seconds (default 900), after which it gives up (the caller then
+  runs on the PyTorch references).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / n for n in ("paged_decode.cpp", "amx_decode.cpp", "fused_ops.cpp")]
+HEADERS = [HERE / "widen.h", HERE / "simd_exp.h"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+DEFAULT_WAIT_TIMEOUT = 900.0
+_POLL = 0.5
+
+
+class BuildTimeout(RuntimeError):
+    """Another process held the build lock for longer than the timeout."""
+
+
+def cache_root() -> Path:
+    env = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pagedserve"
+
+
+def _compiler_identity() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+    return f"{shutil.which(cxx) or cxx}: {out.splitlines()[0] if out else ''}"
+
+
+def build_key() -> str:
+    """A digest of every input of the build; a different one means a different build directory."""
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    h = hashlib.sha256()
+    for part in (torch.__version__, sys.version, _compiler_identity(), " ".join(CFLAGS + LDFLAGS),
+                 *(os.path.realpath(p) for p in include_paths())):
+        h.update(part.encode() + b"\0")
+    for path in [*SOURCES, *HEADERS]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def module_name(key: str) -> str:
+    return f"pagedserve_cpu_kernels_{key}"
+
+
+def build_dir(key: str) -> Path:
+    return cache_root() / "kernels" / f"cpu-{key}"
+
+
+def _built(directory: Path, name: str) -> bool:
+    return any(directory.glob(f"{name}*.so"))
+
+
+class BuildLock:
+    """An exclusive flock on `<build dir>.lock`; the file records the holder's pid for messages."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return True
+
+    def holder(self) -> str:
+        try:
+            pid = self.path.read_text().strip()
+        except OSError:
+            return "another process"
+        return f"process {pid}" if pid else "another process"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def acquire(lock: BuildLock, timeout: float) -> None:
+    """Take the lock, waiting (and saying on whom) up to `timeout` seconds; raises BuildTimeout."""
+    if lock.try_acquire():
+        return
+    log.warning("waiting for %s, which is compiling the CPU kernels (lock %s; giving up after %.0fs)",
+                lock.holder(), lock.path, timeout)
+    deadline = time.monotonic() + timeout
+    while not lock.try_acquire():
+        if time.monotonic() >= deadline:
+            raise BuildTimeout(f"{lock.holder()} held {lock.path} for more than {timeout:.0f}s")
+        time.sleep(_POLL)
+
+
+def build():
+    """Build (or load the cached build of) the extension; raises on any failure, BuildTimeout included."""
+    from torch.utils.cpp_extension import load as load_ext
+
+    key = build_key()
+    directory, name = build_dir(key), module_name(key)
+    lock = BuildLock(directory.with_suffix(".lock"))
+    acquire(lock, float(os.environ.get("PAGEDSERVE_KERNEL_BUILD_TIMEOUT", DEFAULT_WAIT_TIMEOUT)))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # We hold the flock: nobody else compiles here, so torch's lock file can only be a dead
+        # process's leftover, on which torch would wait forever.
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing a stale build lock left by a killed compile: %s", stale)
+            stale.unlink()
+        if not _built(directory, name):
+            log.warning("compiling the CPU kernels (about a minute, once per machine) in %s", directory)
+        # Copies: torch appends to the flag lists it is given, which would change our key.
+        return load_ext(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HERE)],
+                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+    finally:
+        lock.release()
