@@ -151,6 +151,7 @@ def build():
             log.warning("compiling the CPU kernels (about a minute, once per machine) in %s", directory)
         # Copies: torch appends to the flag lists it is given, which would change our key.
         return load_ext(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HERE)],
-                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
+                        verbose=False)
     finally:
         lock.release()

@@ -14,7 +14,8 @@ import jsonschema
 import kubernetes_validate
 import kubernetes_validate.utils as kv_utils
 import pytest
-from chart_render import CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, VARIANTS, helm, render
+
+from tests.charts.chart_render import CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, VARIANTS, helm, render
 
 # kubernetes-validate re-reads its multi-megabyte definitions file on every call; the files never
 # change within a run, so read each once (this keeps the whole matrix at a few seconds).
@@ -153,7 +154,7 @@ def test_long_release_names_still_give_valid_object_names():
     assert len(long_name) == 53
     result = helm("template", long_name, str(CHART), "--namespace", NAMESPACE)
     assert result.returncode == 0, result.stderr
-    from chart_render import parse_documents
+    from tests.charts.chart_render import parse_documents
 
     for obj in parse_documents(result.stdout):
         name = obj["metadata"]["name"]

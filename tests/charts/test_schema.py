@@ -7,9 +7,9 @@ import json
 
 import pytest
 import yaml
-from chart_render import CHART, render_error
 
 from services import settings
+from tests.charts.chart_render import CHART, render_error
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -7,7 +7,8 @@ import re
 
 import pytest
 import yaml
-from chart_render import CHART, NAMESPACE, RELEASE, REPO, VARIANTS, helm, render
+
+from tests.charts.chart_render import CHART, NAMESPACE, RELEASE, REPO, VARIANTS, helm, render
 
 
 def notes(variant: str) -> str:

@@ -9,9 +9,9 @@ import re
 from urllib.parse import urlparse
 
 import pytest
-from chart_render import NAMESPACE, RELEASE, VARIANTS, pod_labels, pod_spec, render, selector_matches
 
 from services import metric_names as M
+from tests.charts.chart_render import NAMESPACE, RELEASE, VARIANTS, pod_labels, pod_spec, render, selector_matches
 
 FULLNAME = f"{RELEASE}-pagedserve"
 _METRIC = re.compile(r"\bpagedserve_[a-z0-9_]+\b")

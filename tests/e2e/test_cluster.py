@@ -12,10 +12,17 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from openai_checks import LONG_SYSTEM, check_chat_and_completions, check_stop_strings, client, kv_usage, model_id
 
 from services.commands.up import LocalCluster
 from services.ports import free_port_run
+from tests.e2e.openai_checks import (
+    LONG_SYSTEM,
+    check_chat_and_completions,
+    check_stop_strings,
+    client,
+    kv_usage,
+    model_id,
+)
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_scheduler")

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 import pytest
-from chart_render import NAMESPACE, pod_spec, render
 
 from services.cli import build_parser
+from tests.charts.chart_render import NAMESPACE, pod_spec, render
 
 
 def _hook_pod(variant: str) -> dict:

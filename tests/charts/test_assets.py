@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 import yaml
-from chart_render import CHART, REPO, helm, parse_documents
 
 from services import metric_names as M
+from tests.charts.chart_render import CHART, REPO, helm, parse_documents
 
 _METRIC = re.compile(r"\bpagedserve_[a-z0-9_]+\b")
 K8S = REPO / "k8s"

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-from fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
 
 from services.block_hash import hash_blocks
 from services.model_source import resolve_model
@@ -22,6 +21,7 @@ from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
 from services.tokenizer import ModelTokenizer
 from tests.conftest import AppServer
+from tests.router.fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 

@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
-from openai_checks import check_bad_input, check_chat_and_completions, check_stop_strings, client, kv_usage
 
 from services.ports import free_port
+from tests.e2e.openai_checks import check_bad_input, check_chat_and_completions, check_stop_strings, client, kv_usage
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_scheduler")

@@ -9,10 +9,10 @@ import argparse
 import re
 
 import pytest
-from chart_render import VARIANTS, pod_spec, render
 
 from services import settings
 from services.cli import build_parser
+from tests.charts.chart_render import VARIANTS, pod_spec, render
 
 # Kubernetes expands $(NAME) in env values and args from earlier variables of the same container.
 _EXPANSION = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
