@@ -5,19 +5,28 @@ Public API: write_kv, decode_attention, prefill_attention and their *_ref twins,
 engine's attention backend (services/engine/attention.py) picks Triton on CUDA and kernels.cpu on the
 CPU; the references are the fallback when the C++ kernels cannot be built, and what tests judge by.
 
-Importing this package never imports Triton: the engine imports it on CPU-only machines, and Triton
-must see TRITON_INTERPRET before its kernels are defined. Each Triton entry point imports its module
-on first call.
+Importing this package imports neither Triton nor torch: the engine imports it on CPU-only machines,
+Triton must see TRITON_INTERPRET before its kernels are defined, and torch-free processes (router,
+scheduler) read `kernels.cache`. Each Triton entry point imports its module on first call, and the
+references load on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kernels.reference import decode_attention_ref, prefill_attention_ref, write_kv_ref
+_REFERENCES = ("decode_attention_ref", "prefill_attention_ref", "write_kv_ref")
+
+
+def __getattr__(name: str):
+    if name in _REFERENCES:
+        return getattr(importlib.import_module("kernels.reference"), name)
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
 
 
 def triton_available() -> bool:

@@ -7,6 +7,7 @@ that every later start loads plain safetensors in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -23,7 +24,9 @@ _CONVERTED_MARKER = "pagedserve-converted.txt"
 
 
 def cache_root() -> Path:
-    """Root of pagedserve's model cache (`PAGEDSERVE_CACHE_DIR`, else ~/.cache/pagedserve)."""
+    """Root of pagedserve's cache (`PAGEDSERVE_CACHE_DIR`, else ~/.cache/pagedserve): converted models under
+    models/, CPU kernel builds under kernels/ (kernels.cpu.build follows the same rule; a test holds them
+    together, since kernels may not import services)."""
     env = os.environ.get("PAGEDSERVE_CACHE_DIR")
     if env:
         return Path(env)
@@ -61,28 +64,33 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    with _written_whole(out_dir) as tmp, tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step") as bar:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        bar.update(1)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+        bar.update(1)
+        _save_dequantized(model, tmp)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()}\n")
+        bar.update(1)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _written_whole(out_dir: Path):
+    """Yield a temporary sibling to write into; on success it replaces `out_dir` in one rename, so a
+    crash mid-way never leaves a half-written cache entry that later starts would trust."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary sibling and rename, so a crash mid-way never leaves a half cache.
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
-        with tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step") as bar:
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            bar.update(1)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-            )
-            bar.update(1)
-            _save_dequantized(model, tmp)
-            tokenizer.save_pretrained(str(tmp))
-            (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()}\n")
-            bar.update(1)
+        yield tmp
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def _save_dequantized(model, out_dir: Path) -> None:
@@ -165,18 +173,10 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     """Write a GGUF file's tokenizer and config (no weights) as Hugging Face files into `out_dir`."""
     from transformers import AutoConfig, AutoTokenizer
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    with _written_whole(out_dir) as tmp:
         AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
         AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
         (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()} (tokenizer only)\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -5,9 +5,9 @@ which every later start waits on it forever, silently. And its default directory
 (~/.cache/torch_extensions/<name>) is shared by every virtualenv, though each compiles with its own
 include paths, so two virtualenvs rebuild each other's build. Here:
 
-- the build directory lives under the pagedserve cache (PAGEDSERVE_CACHE_DIR, else ~/.cache/pagedserve,
-  as services.model_source) and is named by a digest of everything that changes the build: torch's
-  version and include paths, the compiler, the flags, the sources and headers;
+- the build directory lives under the pagedserve cache (cache_root) and is named by a digest of
+  everything that changes the build: torch's version and include paths, the compiler, the flags, the
+  sources and headers;
 - pagedserve's own lock is an flock(2), which the kernel releases when its holder dies, so it is never
   stale; whoever holds it may delete torch's leftover lock file, since no one else can be compiling;
 - a start that must compile says so, and a start that waits on another process's compile says whose,
@@ -43,6 +43,7 @@ class BuildTimeout(RuntimeError):
 
 
 def cache_root() -> Path:
+    # services.model_source.cache_root's rule; kernels may not import services (docs/architecture.md).
     env = os.environ.get("PAGEDSERVE_CACHE_DIR")
     if env:
         return Path(env)

@@ -88,3 +88,14 @@ def test_the_build_directory_is_keyed_by_what_changes_the_build(monkeypatch, tmp
     assert build.build_key() != base
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert build.build_dir(base).is_relative_to(tmp_path)
+
+
+def test_kernel_builds_and_converted_models_share_one_cache_root(monkeypatch, tmp_path):
+    from services.model_source import cache_root
+
+    for env in ({"PAGEDSERVE_CACHE_DIR": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "b")}, {}):
+        monkeypatch.delenv("PAGEDSERVE_CACHE_DIR", raising=False)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert build.cache_root() == cache_root()
