@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from services.commands.redis_binary import find_redis_server, missing_message
 from services.ports import free_port
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -26,9 +27,9 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
-        exe = shutil.which("redis-server")
+        exe = find_redis_server()
         if exe is None:
-            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+            pytest.fail(missing_message())
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

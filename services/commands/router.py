@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def router_config(args) -> RouterConfig:
     return RouterConfig(policy=args.policy, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout, cold_start_timeout=args.cold_start_timeout)
 
 
 def run(args) -> int:
@@ -31,13 +31,18 @@ def run(args) -> int:
 
         replica_filter = EndpointSliceDiscovery(args.k8s_service, args.k8s_namespace)
         replica_filter.start()
-    keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+    try:
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pagedserve router: {exc}") from None
     if keys.enabled:
         log.info("API keys required (%s)", "file and/or env" if args.api_keys_file else "env/flag")
     # Tokenizer and chat template only: the router never loads (or converts) weights.
     tokenizer = ModelTokenizer(resolve_tokenizer(args.model))
     service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url)), keys, replica_filter)
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)
-    log.info("router on %s:%d, policy %s, registry %s", args.host, args.port, args.policy, redacted(args.redis_url))
+    log.info("router on %s:%d, policy %s, registry %s%s", args.host, args.port, args.policy, redacted(args.redis_url),
+             f", holding requests up to {args.cold_start_timeout:g}s while no replica is ready"
+             if args.cold_start_timeout else "")
     asyncio.run(run_servers([server]))
     return 0

@@ -37,7 +37,10 @@ def run(args) -> int:
     internal_port = free_port()
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
                                   heartbeat_interval=1.0)
-    keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+    try:
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pagedserve serve: {exc}") from None
     router = RouterService(RouterConfig(max_body_bytes=args.max_body_bytes), tokenizer,
                            index, keys)
     drain = getattr(args, "drain_timeout", 30.0)

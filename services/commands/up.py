@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from services.commands.redis_binary import find_redis_server, missing_message
 from services.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,9 @@ class LocalCluster:
     def _plan(self) -> None:
         a = self.args
         if not self.redis_url:
-            exe = shutil.which("redis-server")
+            exe = find_redis_server()
             if exe is None:
-                raise SystemExit("redis-server not found: install it (apt-get install -y redis-server) or pass "
-                                 "--redis-url")
+                raise SystemExit(f"pagedserve up: {missing_message()}")
             port = free_port()
             self.redis = Child("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                          "--appendonly", "no", "--loglevel", "warning"], quiet=True)

@@ -18,12 +18,17 @@ class ApiKeys:
 
     @classmethod
     def from_sources(cls, keys_file: str | None, keys_csv: str | None) -> ApiKeys:
+        """Keys from a file (one per line) and a comma-separated list. A keys file that holds no key fails
+        closed: it means authentication was asked for (e.g. a Secret mounted with an empty key list), and
+        silently serving without it would open the endpoint to anyone."""
         keys: list[str] = []
         if keys_file:
             for line in Path(keys_file).read_text().splitlines():
                 line = line.strip()
                 if line and not line.startswith("#"):
                     keys.append(line)
+            if not keys:
+                raise ValueError(f"API keys file {keys_file} holds no key; refusing to serve without authentication")
         if keys_csv:
             keys.extend(k.strip() for k in keys_csv.split(",") if k.strip())
         return cls(keys)
