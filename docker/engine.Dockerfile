@@ -27,7 +27,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY kernels /src/kernels
-RUN --mount=type=cache,target=/root/.cache/pip pip install "/src[triton]"
+RUN --mount=type=cache,target=/root/.cache/pip pip install "/src[engine,triton]"
 
 # Convert the default model once, at build time (on the CPU; no GPU is needed to build).
 FROM build AS model

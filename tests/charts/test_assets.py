@@ -30,7 +30,7 @@ def test_adapter_rules_expose_the_metric_the_hpa_reads():
     exposed = {}
     for rule in rules:
         (series,) = set(_METRIC.findall(rule["seriesQuery"]))
-        assert series in M.SCHEDULER_METRICS, f"{series} is not a scheduler metric"
+        assert series in M.ALL_METRICS, f"{series} is not a metric the services export"
         assert re.fullmatch(rule["name"]["matches"], series)
         exposed[rule["name"]["as"]] = rule
         # Per-pod metrics: the series' namespace and pod labels map to Kubernetes objects.
@@ -41,6 +41,14 @@ def test_adapter_rules_expose_the_metric_the_hpa_reads():
     hpa = next(o for o in parse_documents(helm("template", "llm", str(CHART), "--set", "autoscaling.enabled=true",
                                               check=True).stdout) if o["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in exposed
+    # The routers' HPA on requests per second reads a rate of the routers' request counter.
+    router_hpa = next(o for o in parse_documents(helm(
+        "template", "llm", str(CHART), "--set", "router.autoscaling.enabled=true",
+        "--set", "router.autoscaling.targetRequestsPerSecond=20", check=True).stdout)
+        if o["kind"] == "HorizontalPodAutoscaler" and o["metadata"]["name"].endswith("-router"))
+    pods_metric = next(m for m in router_hpa["spec"]["metrics"] if m["type"] == "Pods")
+    rule = exposed[pods_metric["pods"]["metric"]["name"]]
+    assert M.ROUTER_REQUESTS in rule["seriesQuery"] and "rate(<<.Series>>" in rule["metricsQuery"]
 
 
 def _dashboard_exprs(dashboard: dict) -> dict[str, list[str]]:
@@ -139,7 +147,7 @@ def test_images_use_the_bases_the_services_need():
     for text in (router, scheduler):
         assert "ARG PYTHON_IMAGE=python:3.11-slim" in text and "/whl/cpu" in text
     assert "ARG CUDA_IMAGE=nvidia/cuda:" in engine and "-runtime-" in engine
-    assert '"/src[triton]"' in engine, "the engine image carries the Triton kernels"
+    assert '"/src[engine,triton]"' in engine, "the engine image carries torch, the model formats and Triton"
     assert "gcc" in engine, "Triton compiles its launcher with the system C compiler at run time"
 
 

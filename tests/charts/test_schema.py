@@ -83,7 +83,8 @@ def _walk(schema: dict, values: dict, path: str, problems: list[str]) -> None:
     for key in set(props) - set(values) - {"global"}:
         problems.append(f"{path}{key}: in the schema but not in values.yaml (undocumented value)")
     for key, value in values.items():
-        if isinstance(value, dict) and key in props:
+        # An empty map ({} in values.yaml: resources, probe overrides) is documented as a whole.
+        if isinstance(value, dict) and value and key in props:
             _walk(props[key], value, f"{path}{key}.", problems)
 
 

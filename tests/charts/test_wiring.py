@@ -111,9 +111,11 @@ def test_router_is_reachable_from_the_ingress_controller_namespace():
                    if p["metadata"]["name"] == f"{FULLNAME}-router")["spec"]["ingress"]
     namespaces = [p["namespaceSelector"]["matchLabels"] for p in rule["from"] if "namespaceSelector" in p]
     assert {"kubernetes.io/metadata.name": "ingress-nginx"} in namespaces
-    open_router = next(p for p in render("gateway-k8s-discovery").of_kind("NetworkPolicy")
-                       if p["metadata"]["name"] == f"{FULLNAME}-router")
-    assert "from" not in open_router["spec"]["ingress"][0]
+    (rule,) = next(p for p in render("gateway-k8s-discovery").of_kind("NetworkPolicy")
+                   if p["metadata"]["name"] == f"{FULLNAME}-router")["spec"]["ingress"]
+    namespaces = [p["namespaceSelector"]["matchLabels"] for p in rule["from"] if "namespaceSelector" in p]
+    assert {"kubernetes.io/metadata.name": "gateway-system"} in namespaces, "the Gateway's namespace"
+    assert {"kubernetes.io/metadata.name": "ingress-nginx"} not in namespaces, "no ingress controller there"
 
 
 def test_no_network_policies_when_disabled():
@@ -219,7 +221,9 @@ def test_redis_clients_get_the_url_of_the_bundled_redis():
     redis = pod_spec(rendered.workload("redis"))["containers"][0]
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
     assert env["REDIS_PASSWORD"] == {"name": secret_name, "key": "redis-password"}
-    assert '--requirepass "$REDIS_PASSWORD"' in redis["args"][0]
+    # The password reaches redis-server on its standard input, never on a command line.
+    assert "--requirepass" not in redis["args"][0] and "exec redis-server - " in redis["args"][0]
+    assert '<<EOF\nrequirepass "$REDIS_PASSWORD"\nEOF' in redis["args"][0]
     assert "$(REDIS_PASSWORD)" not in str(redis), "the password must not be expanded into the pod spec"
     for name in ("router", "scheduler"):
         env = {e["name"]: e for e in rendered.container(name)["env"]}
