@@ -17,9 +17,10 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import PreparedRequest, prepare_async
-from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.routes import check_model
 from services.openai_api.streams import ClientGone, merge, until_disconnect
 from services.replica.accumulator import ResponseAccumulator

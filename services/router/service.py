@@ -15,9 +15,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.block_hash import hash_blocks
+from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
-from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys

@@ -81,6 +81,11 @@ class SchedulerCore:
         usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
         if n + 1 > usable:
             raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
+        if params.top_k > vocab:
+            raise InvalidRequestError("top_k", f"{params.top_k} exceeds the vocabulary size {vocab}")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise InvalidRequestError("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool = False, validated: bool = False) -> None:

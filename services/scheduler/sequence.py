@@ -48,7 +48,7 @@ class Sequence:
         self.sample_index = sample_index
         self.seq_id = request_id if sample_index == 0 else f"{request_id}#{sample_index}"
         self.params = params
-        self.spec = SamplingSpec(float(params.temperature), float(params.top_p), int(params.top_k),
+        self.spec = SamplingSpec(params.effective_temperature, float(params.top_p), int(params.top_k),
                                  params.seed, params.logprobs)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
