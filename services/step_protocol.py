@@ -96,3 +96,17 @@ class EngineInfo:
 
     def to_wire(self) -> dict:
         return asdict(self)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot be reached, went away mid-step, restarted (its KV cache is gone) or hung: every
+    request on it is lost. Nothing about one request causes this."""
+
+
+class InvalidStepError(ValueError):
+    """The engine refused a step because of some of its sequences (named), before any kernel touched
+    memory: only their requests fail, the rest of the batch runs again without them."""
+
+    def __init__(self, message: str, seq_ids: list[str]):
+        super().__init__(message)
+        self.seq_ids = list(seq_ids)

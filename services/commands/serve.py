@@ -49,5 +49,5 @@ def run(args) -> int:
     servers = [make_server(replica.app, "127.0.0.1", internal_port, drain, args.log_level),
                make_server(create_router_app(router, render_metrics), args.host, args.port, drain, args.log_level)]
     log.info("serving %s on http://%s:%d (OpenAI API at /v1)", replica.model_name, args.host, args.port)
-    asyncio.run(run_servers(servers, [publisher.run()], on_stop=[publisher.close]))
+    asyncio.run(run_servers(servers, [publisher.run(), replica.replica.supervise()], on_stop=[publisher.close]))
     return 0

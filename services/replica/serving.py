@@ -51,8 +51,12 @@ def sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-def engine_error(message: str) -> APIError:
-    return APIError(503, f"the engine failed while serving this request: {message}", code="engine_error")
+def engine_error(acc: ResponseAccumulator) -> APIError:
+    """An engine-wide failure is a 503 (another replica may serve it: the router retries); a failure
+    this request caused alone is a 500 that nobody retries, so a poison request cannot spread."""
+    if acc.error_kind == "request":
+        return APIError(500, acc.error, code="request_failed")
+    return APIError(503, f"the engine failed while serving this request: {acc.error}", code="engine_error")
 
 
 class OpenAIServing:
@@ -107,7 +111,7 @@ class OpenAIServing:
         await until_disconnect(collect(), request)
         run.timer.finished()
         if acc.error:
-            raise engine_error(acc.error)
+            raise engine_error(acc)
         return JSONResponse(acc.response())
 
     async def _stream(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
@@ -116,7 +120,7 @@ class OpenAIServing:
         first = await until_disconnect(anext(outputs), request)
         first_choices = acc.update(*first)
         if acc.error:
-            raise engine_error(acc.error)
+            raise engine_error(acc)
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -127,7 +131,7 @@ class OpenAIServing:
                     run.timer.tokens_now(max(len(c.token_ids) for c in acc.choices))
                     if acc.error:
                         log.warning("request %s failed mid-stream: %s", acc.request_id, acc.error)
-                        yield sse(engine_error(acc.error).body())
+                        yield sse(engine_error(acc).body())
                         return
                     if choices:
                         yield sse(acc.chunk(choices))
