@@ -75,11 +75,13 @@ DRAIN_TIMEOUT = Option("--drain-timeout", "seconds to finish in-flight requests 
                        type=float, default=30.0)
 ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
                         type=float, default=120.0)
+MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its running batch before it answers "
+                     "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=int)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, LOG_LEVEL)
-_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN)
+_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT, LOG_LEVEL)
 ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS,

@@ -120,7 +120,8 @@ class LocalCluster:
             self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
                                                       *engine_flags], env))
             sched_flags = _flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
-                                     "enable_prefix_caching", "max_model_len", "max_body_bytes", "log_level"])
+                                     "enable_prefix_caching", "max_model_len", "max_waiting", "max_body_bytes",
+                                     "log_level"])
             url = f"http://127.0.0.1:{sp}"
             self.schedulers.append(Child(f"scheduler-{i}", [
                 *self.cli, "scheduler", "--host", "127.0.0.1", "--port", str(sp), "--engine", f"tcp://127.0.0.1:{ep}",

@@ -49,6 +49,9 @@ class Replica:
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
 
+    def admit(self, num_seqs: int):
+        return self.loop.admit(num_seqs)
+
     # -- the registry publisher's source -----------------------------------------------------------
     def stats(self) -> SchedulerStats:
         return self.loop.stats()

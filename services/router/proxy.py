@@ -45,6 +45,7 @@ class Proxy:
 
     async def forward(self, request: Request, ranked: list[ReplicaState], path: str, body: bytes) -> Response:
         last_error = "no replica available"
+        attempts = full = 0
         for attempt, replica in enumerate(ranked[:MAX_ATTEMPTS]):
             rid = replica.info.replica_id
             if attempt:
@@ -61,8 +62,10 @@ class Proxy:
                 last_error = f"replica {rid}: {type(exc).__name__}: {exc}"
                 log.warning("upstream attempt %d failed, %s", attempt + 1, last_error)
                 continue
+            attempts += 1
             if resp.status in RETRYABLE:
                 detail = await self._error_detail(resp)
+                full += resp.status == 503 and '"queue_full"' in detail
                 self.on_done(rid)
                 self.metrics.upstream_errors.inc()
                 last_error = f"replica {rid}: HTTP {resp.status}: {detail}"
@@ -87,6 +90,10 @@ class Proxy:
                 await resp.close()
                 self.on_done(rid)
             return Response(content, status_code=resp.status, headers=headers, media_type=media_type)
+        if attempts and full == attempts:
+            # Every replica tried is at its queue bound: the client should slow down, not treat it as an outage.
+            raise APIError(429, f"every replica tried is at its queue limit ({last_error})", code="queue_full",
+                           headers={"Retry-After": "1"})
         raise APIError(503, f"no replica could serve the request ({last_error})", code="upstream_unavailable",
                        headers={"Retry-After": "1"})
 

@@ -14,6 +14,7 @@ from services.replica.app import create_replica_app
 from services.replica.metrics import SchedulerMetrics
 from services.replica.serving import OpenAIServing, ServingConfig
 from services.sampling_params import InvalidRequestError
+from services.scheduler.async_scheduler import QueueFullError
 from services.scheduler.request_output import CompletionOutput, RequestOutput
 from services.step_protocol import TokenLogprobs
 from tests.conftest import AppServer
@@ -33,6 +34,7 @@ class ScriptedEngine:
         self.fail_at: int | None = None
         self.aborted: list[str] = []
         self.active: set[str] = set()
+        self.limit, self.held = 1 << 30, 0
 
     async def generate(self, rid, prompt, params):
         if max(prompt) >= 49152:
@@ -55,6 +57,18 @@ class ScriptedEngine:
 
     def abort(self, rid):
         self.aborted.append(rid)
+
+    def admit(self, num_seqs):
+        if self.held + num_seqs > self.limit:
+            raise QueueFullError(f"{self.held} held")
+        self.held += num_seqs
+        engine = self
+
+        class _Held:
+            def release(self):
+                engine.held -= num_seqs
+
+        return _Held()
 
 
 @pytest.fixture
@@ -243,3 +257,25 @@ def test_client_disconnect_aborts_the_engine_request(api):
     while engine.active and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.active and len(engine.aborted) == 2
+
+
+def test_a_full_queue_is_a_503_with_retry_after_and_room_comes_back(api):
+    engine, url = api
+    engine.limit, engine.delay = 3, 0.05
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
+    with httpx.Client(timeout=20) as client:
+        with client.stream("POST", url + "/v1/completions", json={**body, "n": 2}) as first:
+            assert first.status_code == 200
+            r = client.post(url + "/v1/completions", json={**body, "n": 2, "stream": False})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+            assert client.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
+            first.read()
+        # A finished stream and a client that leaves mid-stream both give their room back.
+        with client.stream("POST", url + "/v1/completions", json={**body, "n": 3}) as s:
+            next(s.iter_lines())
+        deadline = time.monotonic() + 5
+        while engine.held and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.held == 0
+        assert client.post(url + "/v1/completions", json={**body, "n": 3, "stream": False}).status_code == 200
