@@ -33,6 +33,8 @@ class ScheduledSequence:
     num_samples: int = 1  # > 1 once, when a prompt with n > 1 finishes prefill: the sequence forks
     sample_index: int = 0  # which of the request's n samples this sequence is (seed mixing)
     output_index: int = 0  # tokens this sequence has generated so far (seed mixing)
+    # Token ids the sampler must not pick this step: EOS and stop token ids until min_tokens are out.
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ is in the batch and even after preemption and recomputation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -26,6 +26,7 @@ class SampleRow:
     spec: SamplingSpec
     sample_index: int
     output_index: int
+    banned: list[int] = field(default_factory=list)  # token ids this row may not pick (min_tokens)
 
 
 def _row_seed(seed: int, sample_index: int, output_index: int) -> int:
@@ -49,6 +50,12 @@ class Sampler:
         head_weight the output embedding, for exact greedy on half-precision logits. Returns token ids
         and, where asked, log-probabilities."""
         n = len(rows)
+        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned]
+        if banned:
+            vocab = logits.shape[1]
+            for i, ids in banned:  # in place: these logits are this step's alone
+                logits[i, torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long,
+                                       device=logits.device)] = float("-inf")
         # Temperatures too small to divide by are greedy (the scheduler already sends them as 0).
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature < MIN_TEMPERATURE]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]

@@ -100,6 +100,10 @@ class SchedulerCore:
         if not validated:
             self.validate(prompt_token_ids, params)
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
+        if params.min_tokens:
+            # Masked out of sampling until min_tokens are out, so the request cannot end early at all.
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            req.min_tokens_banned = sorted(ends)
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
         if stream or params.stop_strings:
             self._attach_detokenizer(req)
@@ -110,7 +114,7 @@ class SchedulerCore:
     def _attach_detokenizer(self, req: Sequence, replay: bool = True) -> None:
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer.fast, req.token_ids[:req.num_prompt_tokens], req.params.stop_strings,
-            req.params.include_stop_str_in_output, req.params.skip_special_tokens)
+            req.params.include_stop_str_in_output, req.params.skip_special_tokens, req.params.min_tokens)
         if replay:
             for t in req.output_token_ids:
                 req.detokenizer.add(t)
@@ -234,7 +238,8 @@ class SchedulerCore:
                 outs.append(CompletionOutput(i, "", [], group.seqs[0].status.value if group.finished else None))
                 continue
             if seq.detokenizer is not None:
-                text = seq.detokenizer.text
+                # Unfinished: only what can no longer turn into a stop string, so streams stay exact.
+                text = seq.detokenizer.text if seq.is_finished else seq.detokenizer.visible
             elif seq.is_finished:
                 text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
             else:
