@@ -38,8 +38,11 @@ def run(args) -> int:
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
                                   heartbeat_interval=1.0)
     keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
-    router = RouterService(RouterConfig(max_body_bytes=args.max_body_bytes), tokenizer,
-                           index, keys)
+    try:
+        router = RouterService(RouterConfig(cache_isolation=args.cache_isolation, max_body_bytes=args.max_body_bytes),
+                               tokenizer, index, keys)
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve serve: {exc}") from None
     drain = getattr(args, "drain_timeout", 30.0)
     def render_metrics() -> tuple[bytes, str]:
         # One process, one scrape: the router's series and the replica's (queue, KV, latency).

@@ -130,7 +130,7 @@ class LocalCluster:
             self.scheduler_urls.append(url)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = _flags(a, ["model", "policy", "api_keys_file",
+            router_flags = _flags(a, ["model", "policy", "cache_isolation", "api_keys_file",
                                       "api_keys", "max_body_bytes", "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
                                                       "--redis-url", self.redis_url, *router_flags]))

@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from services.block_hash import model_hash_seed
+from services.block_hash import model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.block_pool import BlockPool, KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
@@ -100,6 +100,8 @@ class SchedulerCore:
         if not validated:
             self.validate(prompt_token_ids, params)
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
+        if params.cache_salt:
+            req.hash_root = salted_seed(self.hash_seed, params.cache_salt)
         if params.min_tokens:
             # Masked out of sampling until min_tokens are out, so the request cannot end early at all.
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))

@@ -9,8 +9,8 @@ import openai
 LONG_SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one line. " * 8
 
 
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 def model_id(c: openai.OpenAI) -> str:
