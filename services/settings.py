@@ -78,18 +78,23 @@ COLD_START_TIMEOUT = Option("--cold-start-timeout",
                             "0: answer 503 at once", type=float, default=0.0)
 ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
                         type=float, default=120.0)
+CACHE_ISOLATION = Option("--cache-isolation", "prefix-cache sharing between API keys: shared (one tenant) or "
+                         "per-key (a key never hits, or can time, another key's cached blocks)", default="shared",
+                         choices=("shared", "per-key"))
+MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its running batch before it answers "
+                     "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=int)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, LOG_LEVEL)
-_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN)
+_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT, LOG_LEVEL)
-ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS,
+ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION,
                   DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT, MAX_BODY_BYTES,
                   REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
-                 *_SCHEDULING, API_KEYS_FILE, API_KEYS, MAX_BODY_BYTES, LOG_LEVEL)
+                 *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}

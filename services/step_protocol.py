@@ -33,6 +33,8 @@ class ScheduledSequence:
     num_samples: int = 1  # > 1 once, when a prompt with n > 1 finishes prefill: the sequence forks
     sample_index: int = 0  # which of the request's n samples this sequence is (seed mixing)
     output_index: int = 0  # tokens this sequence has generated so far (seed mixing)
+    # Token ids the sampler must not pick this step: EOS and stop token ids until min_tokens are out.
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -96,3 +98,17 @@ class EngineInfo:
 
     def to_wire(self) -> dict:
         return asdict(self)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot be reached, went away mid-step, restarted (its KV cache is gone) or hung: every
+    request on it is lost. Nothing about one request causes this."""
+
+
+class InvalidStepError(ValueError):
+    """The engine refused a step because of some of its sequences (named), before any kernel touched
+    memory: only their requests fail, the rest of the batch runs again without them."""
+
+    def __init__(self, message: str, seq_ids: list[str]):
+        super().__init__(message)
+        self.seq_ids = list(seq_ids)

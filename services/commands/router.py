@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 
 
 def router_config(args) -> RouterConfig:
-    return RouterConfig(policy=args.policy, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                        request_timeout=args.request_timeout, cold_start_timeout=args.cold_start_timeout)
+    return RouterConfig(policy=args.policy, cache_isolation=args.cache_isolation, max_queue=args.max_queue,
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                        cold_start_timeout=args.cold_start_timeout)
 
 
 def run(args) -> int:
@@ -39,7 +40,11 @@ def run(args) -> int:
         log.info("API keys required (%s)", "file and/or env" if args.api_keys_file else "env/flag")
     # Tokenizer and chat template only: the router never loads (or converts) weights.
     tokenizer = ModelTokenizer(resolve_tokenizer(args.model))
-    service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url)), keys, replica_filter)
+    try:
+        service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url)), keys,
+                                replica_filter)
+    except ValueError as exc:  # a configuration that cannot be served safely: say so and stop
+        raise SystemExit(f"pagedserve router: {exc}") from None
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)
     log.info("router on %s:%d, policy %s, registry %s%s", args.host, args.port, args.policy, redacted(args.redis_url),
              f", holding requests up to {args.cold_start_timeout:g}s while no replica is ready"

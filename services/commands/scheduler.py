@@ -36,7 +36,7 @@ def replica_settings(args) -> ReplicaSettings:
     return ReplicaSettings(served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-                           max_body_bytes=args.max_body_bytes)
+                           max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting)
 
 
 def run(args) -> int:

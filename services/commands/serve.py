@@ -39,10 +39,10 @@ def run(args) -> int:
                                   heartbeat_interval=1.0)
     try:
         keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+        router = RouterService(RouterConfig(cache_isolation=args.cache_isolation, max_body_bytes=args.max_body_bytes),
+                               tokenizer, index, keys)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"pagedserve serve: {exc}") from None
-    router = RouterService(RouterConfig(max_body_bytes=args.max_body_bytes), tokenizer,
-                           index, keys)
     drain = getattr(args, "drain_timeout", 30.0)
     def render_metrics() -> tuple[bytes, str]:
         # One process, one scrape: the router's series and the replica's (queue, KV, latency).
@@ -52,5 +52,5 @@ def run(args) -> int:
     servers = [make_server(replica.app, "127.0.0.1", internal_port, drain, args.log_level),
                make_server(create_router_app(router, render_metrics), args.host, args.port, drain, args.log_level)]
     log.info("serving %s on http://%s:%d (OpenAI API at /v1)", replica.model_name, args.host, args.port)
-    asyncio.run(run_servers(servers, [publisher.run()], on_stop=[publisher.close]))
+    asyncio.run(run_servers(servers, [publisher.run(), replica.replica.supervise()], on_stop=[publisher.close]))
     return 0

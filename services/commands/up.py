@@ -119,7 +119,8 @@ class LocalCluster:
             self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
                                                       *engine_flags], env))
             sched_flags = _flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
-                                     "enable_prefix_caching", "max_model_len", "max_body_bytes", "log_level"])
+                                     "enable_prefix_caching", "max_model_len", "max_waiting", "max_body_bytes",
+                                     "log_level"])
             url = f"http://127.0.0.1:{sp}"
             self.schedulers.append(Child(f"scheduler-{i}", [
                 *self.cli, "scheduler", "--host", "127.0.0.1", "--port", str(sp), "--engine", f"tcp://127.0.0.1:{ep}",
@@ -128,7 +129,7 @@ class LocalCluster:
             self.scheduler_urls.append(url)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = _flags(a, ["model", "policy", "api_keys_file",
+            router_flags = _flags(a, ["model", "policy", "cache_isolation", "api_keys_file",
                                       "api_keys", "max_body_bytes", "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
                                                       "--redis-url", self.redis_url, *router_flags]))

@@ -165,7 +165,7 @@ class ModelRunner:
             if s.sample:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
-                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index))
+                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
                     owners.append(s.seq_id)
         result = ModelRunnerOutput(step_id=out.step_id)
         logits, hidden = self.model.forward(

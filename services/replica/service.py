@@ -27,6 +27,7 @@ class ReplicaSettings:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    max_waiting: int | None = None  # None: services.scheduler.async_scheduler.default_max_waiting
 
 
 @dataclass
@@ -55,7 +56,7 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
                       max_num_batched_tokens=settings.max_num_batched_tokens,
                       enable_prefix_caching=settings.enable_prefix_caching, max_model_len=settings.max_model_len,
                       collect_kv_events=True)
-    replica = Replica(core, AsyncScheduler(core), executor)
+    replica = Replica(core, AsyncScheduler(core, max_waiting=settings.max_waiting), executor)
     model_name = settings.served_model_name or core.info.model_id
     metrics = SchedulerMetrics(replica.stats)
     serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes),

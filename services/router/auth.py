@@ -37,10 +37,10 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def check(self, authorization: str | None) -> None:
-        """Raise a 401 unless the header carries an accepted key (no-op when no keys are configured)."""
+    def check(self, authorization: str | None) -> bytes | None:
+        """The accepted key the header carries (None when no keys are configured); else a 401."""
         if not self._keys:
-            return
+            return None
         scheme, _, token = (authorization or "").partition(" ")
         presented = token.strip().encode() if scheme.lower() == "bearer" else b""
         ok = False
@@ -49,3 +49,4 @@ class ApiKeys:
         if not presented or not ok:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return presented

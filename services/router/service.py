@@ -7,6 +7,7 @@ replica anything, and it forwards the token ids it computed, so the scheduler do
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
-from services.block_hash import hash_blocks
+from services.block_hash import hash_blocks, salted_seed
+from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
-from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
@@ -38,15 +40,24 @@ class RouterConfig:
     it learns from the replicas' registry records."""
 
     policy: str = "prefix"
+    cache_isolation: str = "shared"  # or "per-key": each API key gets its own prefix cache (a salt)
     max_queue: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 600.0
     cold_start_timeout: float = 0.0  # hold requests this long while no replica is ready (scale from zero)
 
 
+def key_salt(api_key: bytes, client_salt: str | None) -> str:
+    """A cache salt per API key that does not reveal the key (it travels to schedulers in the body)."""
+    tag = hashlib.sha256(b"pagedserve-cache-salt:" + api_key).hexdigest()[:32]
+    return f"key:{tag}" if not client_salt else f"key:{tag}/{client_salt}"
+
+
 class RouterService:
     def __init__(self, config: RouterConfig, tokenizer, index: PrefixIndex, api_keys: ApiKeys,
                  replica_filter: ReplicaFilter | None = None):
+        if config.cache_isolation == "per-key" and not api_keys.enabled:
+            raise ValueError("--cache-isolation per-key needs API keys (--api-keys-file): keys are the tenants")
         self.config = config
         self.tokenizer = tokenizer
         self.keys = api_keys
@@ -76,9 +87,12 @@ class RouterService:
 
     async def _route(self, request: Request, model_cls, path: str) -> Response:
         arrived = time.monotonic()
-        self.keys.check(request.headers.get("authorization"))
+        key = self.keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
+        if self.config.cache_isolation == "per-key" and key is not None:
+            # The key's own salt, before any the client chose: one key can never match another's blocks.
+            req.cache_salt = body["cache_salt"] = key_salt(key, req.cache_salt)
         # With no replica registered yet (scale from zero) the model's identity is unknown: hold here.
         identity, max_model_len = await self.admission.admit(lambda: self.view.identity(req.model),
                                                              self.config.request_timeout, arrived)
@@ -86,7 +100,8 @@ class RouterService:
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
-        route = RouteRequest(hash_blocks(ids, identity.block_size, identity.hash_seed), len(ids),
+        root = salted_seed(identity.hash_seed, req.cache_salt)
+        route = RouteRequest(hash_blocks(ids, identity.block_size, root), len(ids),
                              identity.block_size, request.headers.get(SESSION_HEADER))
         ranked = await self.admission.admit(lambda: self._pick(identity, route), self.config.request_timeout,
                                             arrived)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import zmq
 
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput
 from services.transport.wire import WireReply, decode_request, encode_reply
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,10 @@ class EngineServer:
         try:
             body = self._dispatch(req.op, req.body)
             return encode_reply(WireReply(id=req.id, ok=True, instance=self.instance, body=body))
+        except InvalidStepError as exc:  # the scheduler fails just these sequences' requests
+            log.warning("refused step %d: %s", req.id, exc)
+            return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance, error=str(exc),
+                                          body={"bad_seq_ids": exc.seq_ids}))
         except Exception as exc:
             log.exception("engine op %r (request %d) failed", req.op, req.id)
             return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance,

@@ -16,16 +16,18 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import (
+    EngineInfo,
+    EngineUnavailableError,
+    InvalidStepError,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from services.transport.wire import WireRequest, decode_reply, encode_request
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot be reached, went away mid-call, was restarted, or did not answer in time."""
 
 
 class EngineOpError(RuntimeError):
@@ -138,6 +140,8 @@ class RemoteExecutor:
         elif check_instance and self._instance is not None and reply.instance != self._instance:
             raise EngineUnavailableError(f"engine at {self.url} restarted; its KV cache is gone")
         if not reply.ok:
+            if isinstance(reply.body, dict) and reply.body.get("bad_seq_ids"):
+                raise InvalidStepError(f"engine refused the step: {reply.error}", reply.body["bad_seq_ids"])
             raise EngineOpError(f"engine {op!r} failed: {reply.error}")
         return reply.body
 

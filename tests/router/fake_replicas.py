@@ -21,13 +21,19 @@ SEED = model_hash_seed(MODEL, BLOCK)
 
 def replica_app(name: str, seen: list) -> FastAPI:
     app = FastAPI()
-    app.state.mode = "ok"  # "ok" | "500" | "slow"
+    app.state.mode = "ok"  # "ok" | "500" (an engine outage: 503) | "poison" (the request failed: 500) | "full" | "slow"
 
     async def answer(request: Request):
         body = await request.json()
         seen.append(body)
         if app.state.mode == "500":
             return JSONResponse({"error": {"message": "engine down"}}, status_code=503)
+        if app.state.mode == "poison":
+            return JSONResponse({"error": {"message": "the engine failed on this request", "code": "request_failed"}},
+                                status_code=500)
+        if app.state.mode == "full":
+            return JSONResponse({"error": {"message": "queue is full", "code": "queue_full"}}, status_code=503,
+                                headers={"Retry-After": "1"})
         if app.state.mode == "slow":
             await asyncio.sleep(0.5)
         if body.get("stream"):

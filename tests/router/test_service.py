@@ -102,6 +102,22 @@ def test_retry_on_dead_or_failing_replica_then_clear_error(tokenizer, redis_serv
         assert 'pagedserve_router_requests_total{status="503"} 1.0' in metrics
 
 
+def test_a_request_that_failed_itself_is_not_retried_and_full_replicas_are_a_429(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a", "b", "c"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        for app in fakes.apps.values():
+            app.state.mode = "poison"
+        resp = chat(r.url, "poison")
+        assert resp.status_code == 500 and resp.json()["error"]["code"] == "request_failed"
+        assert sum(fakes.who().values()) == 1, "a poison request must not spread to other replicas"
+        for app in fakes.apps.values():
+            app.state.mode = "full"
+        resp = chat(r.url, "full")
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "queue_full"
+        fakes.apps["b"].state.mode = "ok"
+        assert chat(r.url, "one has room").headers["x-pagedserve-replica"] == "b"
+
+
 def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("# comment\nsk-one\n")
