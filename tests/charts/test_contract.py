@@ -9,6 +9,7 @@ import argparse
 import re
 
 import pytest
+import yaml
 
 from services import settings
 from services.cli import build_parser
@@ -50,9 +51,18 @@ def test_every_container_command_is_a_real_subcommand_with_valid_flags(variant):
         assert args.command == container["name"], f"container {container['name']} runs `{args.command}`"
 
 
+def _user_env(variant: str) -> set[str]:
+    """Env var names the variant's values add through extraEnv (the user's own, not the chart's)."""
+    path = VARIANTS[variant]
+    values = yaml.safe_load(path.read_text()) if path else {}
+    lists = [values.get("router", {}).get("extraEnv")]
+    lists += [values.get("replica", {}).get(c, {}).get("extraEnv") for c in ("engine", "scheduler")]
+    return {e["name"] for env in lists if env for e in env}
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_env_var_is_read_by_the_services(variant):
-    known = settings.all_env_vars()
+    known = settings.all_env_vars() | _user_env(variant)
     for _, container in render(variant).pagedserve_containers():
         env = container.get("env", [])
         names = [e["name"] for e in env]
@@ -123,7 +133,16 @@ def test_shared_values_agree_across_services(variant):
     # Routers learn block size, hash seed and served name from the registry; they only share the model
     # files (for the tokenizer), and have no flag of their own that could disagree with the engine.
     assert not hasattr(router, "block_size") and not hasattr(router, "served_model_name")
-    assert router.model == scheduler.model == engine.model
+    assert scheduler.model == engine.model
+    converters = {c["name"]: build_parser().parse_args(c["args"]) for w in rendered.workloads()
+                  for c in pod_spec(w).get("initContainers", [])}
+    if converters:  # a GGUF model: all read the one source, through their pod's conversion
+        model, tokenizer = converters["convert-model"], converters["extract-tokenizer"]
+        assert model.model == tokenizer.model and model.model.endswith(".gguf")
+        assert (model.output, tokenizer.output) == (engine.model, router.model)
+        assert tokenizer.tokenizer_only and not model.tokenizer_only
+    else:
+        assert router.model == engine.model
     assert scheduler.max_model_len == engine.max_model_len
     assert scheduler.engine == f"tcp://127.0.0.1:{engine.port}"
     assert scheduler.max_body_bytes == router.max_body_bytes

@@ -419,6 +419,9 @@ Checks across values that the JSON schema cannot express; each fails with the va
 {{- if and .Values.keda.enabled (not (kindIs "invalid" $idle)) (ge (int $idle) (int $a.minReplicas)) }}
 {{- fail (printf "keda.idleReplicaCount (%v) must be below autoscaling.minReplicas (%v): KEDA scales idle deployments down to it" $idle $a.minReplicas) }}
 {{- end }}
+{{- if and (eq .Values.router.cacheIsolation "per-key") (not .Values.router.apiKeys.enabled) }}
+{{- fail "router.cacheIsolation=per-key isolates API keys from each other: it needs router.apiKeys.enabled=true" }}
+{{- end }}
 {{- $ra := .Values.router.autoscaling }}
 {{- if and $ra.enabled (gt (int $ra.minReplicas) (int $ra.maxReplicas)) }}
 {{- fail (printf "router.autoscaling.minReplicas (%v) must not exceed router.autoscaling.maxReplicas (%v)" $ra.minReplicas $ra.maxReplicas) }}
