@@ -112,4 +112,5 @@ def test_more_than_one_gpu_per_replica_is_refused_until_tensor_parallelism():
 
 def test_per_key_cache_isolation_needs_api_keys():
     err = render_error("--set", "router.cacheIsolation=per-key")
-    assert "router.cacheIsolation=per-key isolates API keys from each other: it needs router.apiKeys.enabled=true" in err
+    assert ("router.cacheIsolation=per-key isolates API keys from each other: it needs "
+            "router.apiKeys.enabled=true") in err

@@ -305,9 +305,11 @@ def _cidrs(peers: list[dict]) -> set[str]:
     (("--set", "router.service.type=LoadBalancer"), {"0.0.0.0/0", "::/0"}),
     (("--set", "router.service.type=NodePort"), {"0.0.0.0/0", "::/0"}),
     # SNAT hides client IPs unless externalTrafficPolicy is Local: the source ranges apply only then.
-    (("--set", "router.service.type=LoadBalancer", "--set", "router.service.loadBalancerSourceRanges={198.51.100.0/24}"),
+    (("--set", "router.service.type=LoadBalancer",
+      "--set", "router.service.loadBalancerSourceRanges={198.51.100.0/24}"),
      {"0.0.0.0/0", "::/0"}),
-    (("--set", "router.service.type=LoadBalancer", "--set", "router.service.loadBalancerSourceRanges={198.51.100.0/24}",
+    (("--set", "router.service.type=LoadBalancer",
+      "--set", "router.service.loadBalancerSourceRanges={198.51.100.0/24}",
       "--set", "router.service.externalTrafficPolicy=Local"), {"198.51.100.0/24"}),
     (("--set", "router.service.type=LoadBalancer", "--set", "networkPolicy.externalFrom[0].ipBlock.cidr=10.0.0.0/8"),
      {"10.0.0.0/8"}),
@@ -326,7 +328,8 @@ def test_a_host_network_ingress_controller_is_admitted_by_node_cidr():
 
 
 def test_a_gateway_in_the_release_namespace_or_elsewhere_is_admitted():
-    here = render("default", "--set", "router.httpRoute.enabled=true", "--set", "router.httpRoute.parentRefs[0].name=gw")
+    here = render("default", "--set", "router.httpRoute.enabled=true",
+                  "--set", "router.httpRoute.parentRefs[0].name=gw")
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}} in _router_peers(here)
 
 
