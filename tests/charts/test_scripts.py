@@ -16,6 +16,7 @@ import pytest
 
 from services.cli import build_parser
 from tests.charts.chart_render import NAMESPACE, pod_spec, render
+from tests.json_http import send_json
 
 
 def _hook_pod(variant: str) -> dict:
@@ -69,12 +70,7 @@ class _FakeRouter(BaseHTTPRequestHandler):
                                    "total_tokens": 13}})
 
     def _send(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, payload)
 
     def log_message(self, *args):
         pass
