@@ -200,3 +200,41 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
     cluster_side |= {n for exprs in _dashboard_exprs(dashboard).values() for e in exprs for n in _METRIC.findall(e)}
     missing = cluster_side - exported
     assert not missing, f"named outside the services but not exported on /metrics: {sorted(missing)}"
+
+
+def _extras() -> dict[str, list[str]]:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {"": project["dependencies"], **project["optional-dependencies"]}
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_each_image_installs_exactly_the_extras_its_processes_need():
+    """The router image carries the Kubernetes client (--discovery kubernetes imports it) and, like the
+    scheduler image, no torch or transformers; the engine image has the engine and Triton extras; no
+    image has test tools. tests/chart_e2e builds its virtualenvs from these same lines."""
+    from tests.chart_e2e.images import install_spec
+
+    extras = _extras()
+    base = _names(extras[""])
+    assert not base & {"torch", "transformers", "gguf", "accelerate", "safetensors", "triton", "kubernetes"}
+    router, scheduler, engine = (install_spec(s) for s in SERVICES)
+    assert router.extras == ("k8s",) and "kubernetes" in _names(extras["k8s"])
+    assert scheduler.extras == ()
+    assert set(engine.extras) == {"engine", "triton"} and {"torch", "transformers"} <= _names(extras["engine"])
+    assert router.torch_version is None and scheduler.torch_version is None and engine.torch_version
+    for spec in (router, scheduler, engine):
+        assert "test" not in spec.extras
+    # What the router's discovery imports is what the k8s extra installs.
+    source = (REPO / "services" / "router" / "k8s_discovery.py").read_text()
+    assert "from kubernetes import" in source
+    # Router and scheduler images bake in the tokenizer only; the engine the converted weights.
+    assert router.model_convert_args == scheduler.model_convert_args == ("--tokenizer-only",)
+    assert engine.model_convert_args == ()
+    # `make install` has everything, for development and the tests.
+    makefile = (REPO / "Makefile").read_text()
+    assert "pip install -q -e '.[engine,k8s,triton,test]'" in makefile
