@@ -75,6 +75,9 @@ DRAIN_TIMEOUT = Option("--drain-timeout", "seconds to finish in-flight requests 
                        type=float, default=30.0)
 ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
                         type=float, default=120.0)
+INTERNAL_TOKEN_FILE = Option("--internal-token-file", "file holding the token routers and schedulers share: "
+                             "routers present it, schedulers require it, registry records are signed with it")
+INTERNAL_TOKEN = Option("--internal-token", "the internal token itself (prefer the file or the env var)")
 CACHE_ISOLATION = Option("--cache-isolation", "prefix-cache sharing between API keys: shared (one tenant) or "
                          "per-key (a key never hits, or can time, another key's cached blocks)", default="shared",
                          choices=("shared", "per-key"))
@@ -86,8 +89,10 @@ LOG_LEVEL = Option("--log-level", "logging level", default="info",
 ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, LOG_LEVEL)
 _SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
-                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT, LOG_LEVEL)
-ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION,
+                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
+                     INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, INTERNAL_TOKEN_FILE,
+                  INTERNAL_TOKEN,
                   DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, MAX_BODY_BYTES, REQUEST_TIMEOUT,
                   DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,

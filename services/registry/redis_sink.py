@@ -9,7 +9,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.model import BlockDelta, ReplicaState
+from services.registry.model import BlockDelta, ReplicaState, Signer
 
 _CHUNK = 2000  # hashes per SADD/SREM: keeps single commands small
 
@@ -39,14 +39,15 @@ def _chunks(values: list[str]):
 
 
 class RedisSink:
-    def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE):
+    def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE, signer: Signer | None = None):
         self.client = client
         self.ns = namespace
+        self.signer = signer  # the internal token: records are signed so routers can trust them
 
     async def write_state(self, state: ReplicaState, ttl: float) -> None:
         rid = state.info.replica_id
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.replica_key(self.ns, rid), state.to_json(), px=int(ttl * 1000))
+        pipe.set(keys.replica_key(self.ns, rid), state.to_json(self.signer), px=int(ttl * 1000))
         pipe.sadd(keys.replicas_key(self.ns), rid)
         # The block set outlives a dead replica only as long as its record would have.
         pipe.pexpire(keys.blocks_key(self.ns, rid), int(ttl * 1000) * 10)
