@@ -42,6 +42,9 @@ def _parse_bool(text: str) -> bool:
 
 
 HOST = Option("--host", "address to listen on", default="0.0.0.0")
+# The engine takes steps from its own scheduler only: loopback unless told otherwise (and then a token).
+ENGINE_HOST = Option("--host", "address to listen on (beyond loopback only with an internal token)",
+                     default="127.0.0.1")
 MODEL = Option("--model", "Hugging Face directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
 SERVED_MODEL_NAME = Option("--served-model-name", "model id reported by /v1/models and accepted in requests")
 DTYPE = Option("--dtype", "weight and KV dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -86,7 +89,8 @@ MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its run
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
-ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, LOG_LEVEL)
+ENGINE_OPTIONS = (ENGINE_HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN,
+                  INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
 _SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,

@@ -50,7 +50,7 @@ async def _main(args) -> None:
     # Tokenizer and config only: the engine owns the weights (and any conversion of them).
     tokenizer = ModelTokenizer(await asyncio.to_thread(resolve_tokenizer, args.model))
     settings = replica_settings(args)
-    executor = RemoteExecutor(args.engine, timeout=args.engine_timeout)
+    executor = RemoteExecutor(args.engine, timeout=args.engine_timeout, token=settings.internal_token)
     starting = StartingApp("the engine is not ready yet")
     server = make_server(starting, args.host, args.port, args.drain_timeout, args.log_level, lifespan="off")
     publishers: list = []

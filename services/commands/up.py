@@ -134,7 +134,7 @@ class LocalCluster:
             # Replicas share the machine's cores: one torch thread pool each, sized to its share.
             env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": threads}
             self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
-                                                      *engine_flags], env))
+                                                      *engine_flags], {**env, **self.token.env()}))
             sched_flags = _flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
                                      "enable_prefix_caching", "max_model_len", "max_waiting", "max_body_bytes",
                                      "log_level"])
