@@ -32,8 +32,11 @@ def run(args) -> int:
 
         replica_filter = EndpointSliceDiscovery(args.k8s_service, args.k8s_namespace)
         replica_filter.start()
-    keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
-    token = InternalToken.from_sources(args.internal_token_file, args.internal_token)
+    try:
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+        token = InternalToken.from_sources(args.internal_token_file, args.internal_token)
+    except (ValueError, OSError) as exc:  # keys or token configured but unusable: never start open
+        raise SystemExit(f"pagedserve router: {exc}") from None
     if token is None:
         log.warning("no internal token: schedulers cannot tell this router from any other caller, and registry "
                     "records are not verified (set --internal-token-file in production)")

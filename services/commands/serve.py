@@ -29,6 +29,10 @@ REPLICA_ID = "local"
 
 
 def run(args) -> int:
+    try:
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)  # before minutes of model loading
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagedserve serve: {exc}") from None
     from services.engine.model_runner import ModelRunner
     from services.scheduler.executor import InProcessExecutor
 
@@ -42,7 +46,6 @@ def run(args) -> int:
     internal_port = free_port()
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
                                   heartbeat_interval=1.0)
-    keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
     try:
         router = RouterService(RouterConfig(cache_isolation=args.cache_isolation, max_body_bytes=args.max_body_bytes),
                                tokenizer, index, keys, internal_token=token)
