@@ -146,8 +146,8 @@ class LocalCluster:
             self.scheduler_urls.append(url)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = _flags(a, ["model", "policy", "cache_isolation", "api_keys_file", "max_body_bytes",
-                                      "log_level"])
+            router_flags = _flags(a, ["model", "policy", "cache_isolation", "api_keys_file", "max_queue",
+                                      "max_body_bytes", "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
                                                       *router_flags], dict(secret_env)))
             self.router_urls.append(f"http://127.0.0.1:{port}")

@@ -6,7 +6,7 @@ resync everything once Redis is back), so nothing here hides an error.
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from services.registry import keys
 from services.registry.model import BlockDelta, ReplicaState, Signer
@@ -28,9 +28,15 @@ def redacted(redis_url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def connect(redis_url: str) -> Redis:
-    """A client with short timeouts: a dead Redis must cost a routing decision milliseconds, not seconds."""
-    return Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=5)
+def connect(redis_url: str, max_connections: int = 128) -> Redis:
+    """A client with short timeouts: a dead Redis must cost a routing decision milliseconds, not seconds.
+
+    A blocking pool: a burst of requests waits (briefly) for a connection instead of failing with "too
+    many connections", which would make a router treat a healthy Redis as down.
+    """
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=max_connections, timeout=0.5,
+                                           socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=5)
+    return Redis.from_pool(pool)  # the client owns the pool: closing it closes the connections
 
 
 def _chunks(values: list[str]):

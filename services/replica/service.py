@@ -65,7 +65,10 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
                                                               settings.internal_token), metrics)
 
     def health() -> dict:
-        return {"healthy": replica.healthy, "model": model_name, "error": replica.last_error}
+        stats = replica.stats()
+        return {"healthy": replica.healthy, "model": model_name, "error": replica.last_error,
+                "kv_blocks_in_use": round(stats.kv_usage * stats.num_kv_blocks),
+                "requests": stats.num_waiting + stats.num_running}
 
     app = create_replica_app(serving, metrics, health)
     return ReplicaService(replica, app, model_name, core.max_model_len, metrics)
