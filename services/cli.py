@@ -85,7 +85,7 @@ def _add_bench(sub) -> None:
     c.add_argument("--replicas", type=int, default=2)
     c.add_argument("--streams", type=int, default=16, help="streams in flight when the engine is killed")
     c.add_argument("--redis-outage", type=float, default=20.0, help="seconds Redis stays stopped")
-    c.add_argument("--dropped", type=int, default=100, help="clients that drop their stream after one token")
+    c.add_argument("--dropped", type=int, default=200, help="clients that drop their stream after one token")
     c.add_argument("--burst", type=int, default=600, help="requests sent at once")
     c.add_argument("--scenarios", default=None, help="comma-separated subset of: engine-kill, redis-outage, "
                    "dropped-streams, drain, overload")
