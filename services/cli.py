@@ -42,7 +42,7 @@ def _add_generate(sub) -> None:
 
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="local cluster: redis-server, N scheduler+engine replicas and a router")
-    S.add_options(p, S.SERVE_OPTIONS + (S.REDIS_URL, S.POLICY), S.DEFAULT_PORTS["router"])
+    S.add_options(p, S.SERVE_OPTIONS + (S.REDIS_URL, S.POLICY, S.MAX_QUEUE), S.DEFAULT_PORTS["router"])
     p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start")
     p.add_argument("--routers", type=int, default=1, help="router processes to start (ports port, port+1, ...)")
     p.set_defaults(handler="services.commands.up:run")
@@ -100,6 +100,19 @@ def _add_bench(sub) -> None:
     r.add_argument("--port", type=int, default=8000, help="router port of the clusters")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(handler="services.bench.routing:run_routing")
+    c = bsub.add_parser("chaos", help="faults under load on a local cluster: engine kill, Redis outage, dropped "
+                        "streams, scheduler drain, overload burst")
+    c.add_argument("--model", default=None)
+    c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    c.add_argument("--replicas", type=int, default=2)
+    c.add_argument("--streams", type=int, default=16, help="streams in flight when the engine is killed")
+    c.add_argument("--redis-outage", type=float, default=20.0, help="seconds Redis stays stopped")
+    c.add_argument("--dropped", type=int, default=200, help="clients that drop their stream after one token")
+    c.add_argument("--burst", type=int, default=600, help="requests sent at once")
+    c.add_argument("--scenarios", default=None, help="comma-separated subset of: engine-kill, redis-outage, "
+                   "dropped-streams, drain, overload")
+    c.add_argument("--json", dest="json_path", default=None)
+    c.set_defaults(handler="services.bench.chaos:run")
     o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler")
     o.add_argument("--requests", type=int, default=500)
     o.set_defaults(handler="services.bench.routing:run_overhead")

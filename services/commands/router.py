@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.internal_auth import InternalToken
 from services.model_source import resolve_tokenizer
 from services.openai_api.server import make_server, run_servers
 from services.registry.redis_sink import connect, redacted
@@ -34,15 +35,19 @@ def run(args) -> int:
         replica_filter.start()
     try:
         keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
-    except (OSError, ValueError) as exc:
+        token = InternalToken.from_sources(args.internal_token_file, args.internal_token)
+    except (ValueError, OSError) as exc:  # keys or token configured but unusable: never start open
         raise SystemExit(f"pagedserve router: {exc}") from None
+    if token is None:
+        log.warning("no internal token: schedulers cannot tell this router from any other caller, and registry "
+                    "records are not verified (set --internal-token-file in production)")
     if keys.enabled:
         log.info("API keys required (%s)", "file and/or env" if args.api_keys_file else "env/flag")
     # Tokenizer and chat template only: the router never loads (or converts) weights.
     tokenizer = ModelTokenizer(resolve_tokenizer(args.model))
     try:
-        service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url)), keys,
-                                replica_filter)
+        service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url), signer=token),
+                                keys, replica_filter, token)
     except ValueError as exc:  # a configuration that cannot be served safely: say so and stop
         raise SystemExit(f"pagedserve router: {exc}") from None
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)

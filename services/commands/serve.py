@@ -8,10 +8,12 @@ public port reads that index. One code path for a laptop and for Kubernetes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from services.commands.scheduler import replica_settings
 from services.engine.config import EngineConfig
+from services.internal_auth import InternalToken
 from services.openai_api.server import make_server, run_servers
 from services.ports import free_port
 from services.registry.memory_index import MemoryIndex
@@ -27,12 +29,19 @@ REPLICA_ID = "local"
 
 
 def run(args) -> int:
+    try:
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)  # before minutes of model loading
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pagedserve serve: {exc}") from None
     from services.engine.model_runner import ModelRunner
     from services.scheduler.executor import InProcessExecutor
 
     runner = ModelRunner(EngineConfig.from_args(args))
     tokenizer = ModelTokenizer(runner.model_dir)
-    replica = build_replica(InProcessExecutor(runner), tokenizer, replica_settings(args))
+    # The replica's port is on loopback, but any local process could reach it there: only our router may.
+    token = InternalToken.generate()
+    settings = dataclasses.replace(replica_settings(args), internal_token=token)
+    replica = build_replica(InProcessExecutor(runner), tokenizer, settings)
     index = MemoryIndex()
     internal_port = free_port()
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
@@ -40,7 +49,7 @@ def run(args) -> int:
     try:
         keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
         router = RouterService(RouterConfig(cache_isolation=args.cache_isolation, max_body_bytes=args.max_body_bytes),
-                               tokenizer, index, keys)
+                               tokenizer, index, keys, internal_token=token)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"pagedserve serve: {exc}") from None
     drain = getattr(args, "drain_timeout", 30.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 import httpx
 
 from services.commands.redis_binary import find_redis_server, missing_message
+from services.internal_auth import InternalToken
 from services.ports import free_port
+from services.registry.redis_sink import redacted
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,15 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     quiet: bool = False  # drop its stdout (redis-server's banner)
+    stdin: str | None = None  # written to its stdin at start (redis-server's secret config)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
-                                     stdout=subprocess.DEVNULL if self.quiet else None)
+                                     stdout=subprocess.DEVNULL if self.quiet else None,
+                                     stdin=subprocess.PIPE if self.stdin is not None else None, text=True)
+        if self.stdin is not None:
+            self.proc.stdin.write(self.stdin)
+            self.proc.stdin.close()
 
     @property
     def alive(self) -> bool:
@@ -89,6 +97,7 @@ class LocalCluster:
         self.cli = [python, "-m", "services.cli"]
         self.redis: Child | None = None
         self.redis_url = getattr(args, "redis_url", None)
+        self.token = InternalToken.generate()  # routers and schedulers of this cluster share it
         self.engines: list[Child] = []
         self.schedulers: list[Child] = []
         self.routers: list[Child] = []
@@ -106,9 +115,16 @@ class LocalCluster:
             if exe is None:
                 raise SystemExit(f"pagedserve up: {missing_message()}")
             port = free_port()
-            self.redis = Child("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "no", "--loglevel", "warning"], quiet=True)
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            password = secrets.token_urlsafe(24)
+            # The password goes in through stdin ("-" reads config from it), not argv, which /proc shows.
+            self.redis = Child("redis", [exe, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                         "--appendonly", "no", "--loglevel", "warning"], quiet=True,
+                               stdin=f"requirepass {password}\n")
+            self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        # Secrets reach children through their environment, never their command line.
+        secret_env = {**self.token.env(), "PAGEDSERVE_REDIS_URL": self.redis_url}
+        if getattr(a, "api_keys", None):
+            secret_env["PAGEDSERVE_API_KEYS"] = a.api_keys
         threads = str(max(1, (os.cpu_count() or 1) // self.num_replicas))
         for i in range(self.num_replicas):
             ep, sp = free_port(), free_port()
@@ -117,22 +133,22 @@ class LocalCluster:
             # Replicas share the machine's cores: one torch thread pool each, sized to its share.
             env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": threads}
             self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
-                                                      *engine_flags], env))
+                                                      *engine_flags], {**env, **self.token.env()}))
             sched_flags = _flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
                                      "enable_prefix_caching", "max_model_len", "max_waiting", "max_body_bytes",
                                      "log_level"])
             url = f"http://127.0.0.1:{sp}"
             self.schedulers.append(Child(f"scheduler-{i}", [
                 *self.cli, "scheduler", "--host", "127.0.0.1", "--port", str(sp), "--engine", f"tcp://127.0.0.1:{ep}",
-                "--redis-url", self.redis_url, "--replica-id", f"replica-{i}", "--advertise-url", url,
-                "--heartbeat-interval", "0.5", *sched_flags]))
+                "--replica-id", f"replica-{i}", "--advertise-url", url, "--heartbeat-interval", "0.5", *sched_flags],
+                {k: v for k, v in secret_env.items() if k != "PAGEDSERVE_API_KEYS"}))
             self.scheduler_urls.append(url)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = _flags(a, ["model", "policy", "cache_isolation", "api_keys_file",
-                                      "api_keys", "max_body_bytes", "log_level"])
+            router_flags = _flags(a, ["model", "policy", "cache_isolation", "api_keys_file", "max_queue",
+                                      "max_body_bytes", "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
-                                                      "--redis-url", self.redis_url, *router_flags]))
+                                                      *router_flags], dict(secret_env)))
             self.router_urls.append(f"http://127.0.0.1:{port}")
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -195,7 +211,7 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     try:
         cluster.start()
-        print(f"pagedserve up: {args.replicas} replicas, registry {cluster.redis_url}", flush=True)
+        print(f"pagedserve up: {args.replicas} replicas, registry {redacted(cluster.redis_url)}", flush=True)
         for url in cluster.router_urls:
             print(f"  router      {url}/v1", flush=True)
         for i, url in enumerate(cluster.scheduler_urls):

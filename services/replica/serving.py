@@ -17,6 +17,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.internal_auth import HEADER, InternalToken
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import PreparedRequest, prepare_async
@@ -52,6 +53,7 @@ class ServingConfig:
     model_name: str
     max_model_len: int
     max_body_bytes: int = 4 * 1024 * 1024
+    internal_token: InternalToken | None = None  # when set, only callers presenting it are served
 
 
 def sse(obj: dict) -> str:
@@ -83,7 +85,15 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def check_caller(self, request: Request) -> None:
+        """A replica behind routers serves only them: with API keys on the router, its port is no way around."""
+        token = self.config.internal_token
+        if token is not None and not token.accepts(request.headers.get(HEADER)):
+            raise APIError(401, "this replica serves its routers only (missing or wrong internal token)",
+                           code="invalid_internal_token")
+
     async def _serve(self, request: Request, model_cls, id_prefix: str) -> Response:
+        self.check_caller(request)
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)

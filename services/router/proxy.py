@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from services.internal_auth import HEADER, InternalToken
 from services.openai_api.errors import APIError, error_body
 from services.openai_api.streams import ClientGone, until_disconnect
 from services.registry.model import ReplicaState
@@ -34,8 +35,9 @@ REPLICA_HEADER = "x-pagedserve-replica"
 
 class Proxy:
     def __init__(self, timeout: float, metrics: RouterMetrics, on_start: Callable[[str], None],
-                 on_done: Callable[[str], None]):
-        self.pool = UpstreamPool(connect_timeout=2.0, read_timeout=timeout)
+                 on_done: Callable[[str], None], internal_token: InternalToken | None = None):
+        headers = {HEADER: internal_token.value} if internal_token is not None else None
+        self.pool = UpstreamPool(connect_timeout=2.0, read_timeout=timeout, extra_headers=headers)
         self.metrics = metrics
         self.on_start = on_start  # in-flight bookkeeping of the replica view
         self.on_done = on_done

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.block_hash import hash_blocks, salted_seed
+from services.internal_auth import InternalToken
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
@@ -55,7 +56,7 @@ def key_salt(api_key: bytes, client_salt: str | None) -> str:
 
 class RouterService:
     def __init__(self, config: RouterConfig, tokenizer, index: PrefixIndex, api_keys: ApiKeys,
-                 replica_filter: ReplicaFilter | None = None):
+                 replica_filter: ReplicaFilter | None = None, internal_token: InternalToken | None = None):
         if config.cache_isolation == "per-key" and not api_keys.enabled:
             raise ValueError("--cache-isolation per-key needs API keys (--api-keys-file): keys are the tenants")
         self.config = config
@@ -65,7 +66,7 @@ class RouterService:
         self.policy = make_policy(config.policy)
         self.view = ReplicaView(index, self.metrics, replica_filter)
         self.admission = Admission(config.max_queue, self.metrics, config.cold_start_timeout)
-        self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done)
+        self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
 
     async def completions(self, request: Request) -> Response:

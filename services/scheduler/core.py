@@ -21,7 +21,13 @@ from services.scheduler.request_output import CompletionOutput, RequestOutput, S
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.step_isolation import execute_isolating
-from services.step_protocol import ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import (
+    EngineUnavailableError,
+    ModelRunnerOutput,
+    SamplingSpec,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +165,7 @@ class SchedulerCore:
         if out.sequences:
             # A failure tied to some sequences fails only their requests; EngineUnavailableError (the
             # engine itself is gone) propagates, and the caller fails everything.
-            step = execute_isolating(self.executor, out)
+            step = execute_isolating(self.executor, out, self._canary_ok)
             for seq_id, why in step.failed.items():
                 self._fail_request_of(seq_id, why, changed)
             self._apply(step.result, changed)
@@ -171,6 +177,24 @@ class SchedulerCore:
             elif group.stream:
                 outputs.append(self._make_output(group))
         return outputs
+
+    def _canary_ok(self) -> bool:
+        """Does the engine still compute? One token in a spare block, greedy: a step nothing can be wrong with."""
+        if self.pool.num_free == 0:
+            return True  # no spare block to try with: blame the requests, which fail either way
+        block = self.pool.allocate()
+        canary = ScheduledSequence(seq_id="pagedserve-canary", token_ids=[0], start_pos=0,
+                                   block_table=[block.block_id], sample=True, sampling=SamplingSpec())
+        try:
+            self.executor.execute(SchedulerOutput(step_id=-1, sequences=[canary]))
+            return True
+        except EngineUnavailableError:
+            raise
+        except Exception as exc:
+            log.error("the engine fails a canary step too (%s: %s): the engine is broken", type(exc).__name__, exc)
+            return False
+        finally:
+            self.pool.free(block)  # never hashed: back to the free end of the queue
 
     def _fail_request_of(self, seq_id: str, why: str, changed: dict[str, _Group]) -> None:
         seq = next(s for s, _ in self.scheduler.last_scheduled if s.seq_id == seq_id)

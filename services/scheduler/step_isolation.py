@@ -6,13 +6,16 @@ may name them (`InvalidStepError`, raised before any kernel reads memory); other
 in halves and each half run again, recursively, until every failing sequence is alone: O(k log n) extra
 steps for k culprits in a batch of n, paid only when something failed. Re-running is safe: a step's KV
 writes land in the slots the scheduler allocated for it and the same writes repeat, and copy-on-write
-copies read blocks nobody writes. When every sequence fails alone too, the engine is the cause after all
-and the original error is raised.
+copies read blocks nobody writes. When every sequence of the step fails alone too, a canary (one known-
+good token in a spare block) tells an engine that fails for everyone from requests that all fail on
+their own; if the canary fails as well, the engine is the cause after all and the original error is
+raised.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from services.scheduler.executor import Executor
@@ -27,7 +30,8 @@ class IsolatedStep:
     failed: dict[str, str] = field(default_factory=dict)  # seq_id -> why its request failed
 
 
-def execute_isolating(executor: Executor, out: SchedulerOutput) -> IsolatedStep:
+def execute_isolating(executor: Executor, out: SchedulerOutput, canary: Callable[[], bool]) -> IsolatedStep:
+    """`canary()` runs a known-good step and says whether the engine still computes at all."""
     try:
         return IsolatedStep(executor.execute(out))
     except EngineUnavailableError:
@@ -37,8 +41,8 @@ def execute_isolating(executor: Executor, out: SchedulerOutput) -> IsolatedStep:
     log.warning("step %d (%d sequences) failed (%s: %s); isolating the sequences that cause it", out.step_id,
                 len(out.sequences), type(first).__name__, first)
     step = _isolate(executor, out, first)
-    if len(out.sequences) > 1 and len(step.failed) == len(out.sequences):
-        raise first  # nothing runs, alone or together: the engine is broken, not the requests
+    if len(step.failed) == len(out.sequences) and not canary():
+        raise first  # nothing runs, not even the canary: the engine is broken, not the requests
     for seq_id, why in step.failed.items():
         log.error("step %d: sequence %s fails its request: %s", out.step_id, seq_id, why)
     return step

@@ -19,13 +19,14 @@ BLOCK = 16
 SEED = model_hash_seed(MODEL, BLOCK)
 
 
-def replica_app(name: str, seen: list) -> FastAPI:
+def replica_app(name: str, seen: list, headers: list) -> FastAPI:
     app = FastAPI()
     app.state.mode = "ok"  # "ok" | "500" (an engine outage: 503) | "poison" (the request failed: 500) | "full" | "slow"
 
     async def answer(request: Request):
         body = await request.json()
         seen.append(body)
+        headers.append(dict(request.headers))
         if app.state.mode == "500":
             return JSONResponse({"error": {"message": "engine down"}}, status_code=503)
         if app.state.mode == "poison":
@@ -52,10 +53,12 @@ def replica_app(name: str, seen: list) -> FastAPI:
 class FakeReplicas:
     """N fake replicas serving HTTP; their registry records are written as a scheduler would."""
 
-    def __init__(self, redis_url: str, names: list[str], capacity: int = 8):
+    def __init__(self, redis_url: str, names: list[str], capacity: int = 8, signer=None):
         self.redis_url = redis_url
+        self.signer = signer  # the internal token their records are signed with, if any
         self.seen: dict[str, list] = {n: [] for n in names}
-        self.apps = {n: replica_app(n, self.seen[n]) for n in names}
+        self.headers: list[dict] = []  # of every request any of them got, in arrival order
+        self.apps = {n: replica_app(n, self.seen[n], self.headers) for n in names}
         self.servers = {n: AppServer(self.apps[n]) for n in names}
         self.capacity = capacity
 
@@ -78,7 +81,7 @@ class FakeReplicas:
         async def go():
             client = connect(self.redis_url)
             try:
-                await fn(RedisSink(client))
+                await fn(RedisSink(client, signer=self.signer))
             finally:
                 await client.aclose()
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from services.block_hash import hash_blocks
+from services.internal_auth import InternalToken
 from services.ports import free_port
 from services.registry.model import ReplicaLoad
 from services.registry.redis_sink import connect
@@ -25,9 +26,10 @@ SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 
 
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
-                max_queue: int = 16) -> AppServer:
+                max_queue: int = 16, token: InternalToken | None = None) -> AppServer:
     config = RouterConfig(policy=policy, max_queue=max_queue, request_timeout=10.0)
-    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url)), ApiKeys(keys or []))
+    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url), signer=token), ApiKeys(keys or []),
+                            internal_token=token)
     return AppServer(create_router_app(service))
 
 
@@ -116,6 +118,23 @@ def test_a_request_that_failed_itself_is_not_retried_and_full_replicas_are_a_429
         assert resp.json()["error"]["code"] == "queue_full"
         fakes.apps["b"].state.mode = "ok"
         assert chat(r.url, "one has room").headers["x-pagedserve-replica"] == "b"
+
+
+def test_with_an_internal_token_forged_records_are_ignored_and_replicas_get_the_token(tokenizer, redis_server):
+    token = InternalToken.generate()
+    with FakeReplicas(redis_server.url, ["forged"]) as forged, make_router(tokenizer, redis_server.url,
+                                                                           token=token) as r:
+        resp = chat(r.url, "where do prompts go?")
+        assert resp.status_code == 503 and forged.who() == {"forged": 0}  # unsigned: never a target
+        with FakeReplicas(redis_server.url, ["real"], signer=token) as real:
+            time.sleep(0.6)  # a router re-reads the registry for an unknown model at most every 0.5 s
+            resp = chat(r.url, "where do prompts go?")
+            assert resp.status_code == 200 and resp.headers["x-pagedserve-replica"] == "real"
+            assert real.headers[-1].get("x-pagedserve-internal-token") == token.value
+        forged.signer = InternalToken.generate()  # signed, but with another cluster's token
+        forged.publish("forged", ReplicaLoad())
+        time.sleep(0.6)
+        assert chat(r.url, "again").status_code == 503 and forged.who() == {"forged": 0}
 
 
 def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):
