@@ -62,6 +62,8 @@ def _add_pod_tools(sub) -> None:
     e = psub.add_parser("engine", help="a `health` round trip on the engine's step protocol")
     e.add_argument("--engine", default=S.ENGINE_URL.default, help="engine step endpoint")
     e.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    e.add_argument("--internal-token-file", default=None,
+                   help="the engine's internal token (only an engine bound beyond loopback requires one)")
     e.set_defaults(handler="services.commands.probe:run")
     w = sub.add_parser("wait-for-disconnect", help="preStop hook: wait until no client is connected to the engine")
     w.add_argument("--engine", default=S.ENGINE_URL.default, help="the engine's listening address")

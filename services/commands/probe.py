@@ -13,18 +13,20 @@ import time
 
 import zmq
 
+from services.internal_auth import InternalToken
 from services.transport.wire import WireRequest, decode_reply, encode_request
 
 
-def engine_health(url: str, timeout: float) -> tuple[bool, str]:
-    """One `health` round trip to the engine at `url`: (answered healthy, what happened)."""
+def engine_health(url: str, timeout: float, auth: str | None = None) -> tuple[bool, str]:
+    """One `health` round trip to the engine at `url` (with the internal token, when the engine requires
+    one): (answered healthy, what happened)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(url)
         # Queued until the connection is up; an engine that is not listening never answers.
-        sock.send(encode_request(WireRequest(id=1, op="health")))
+        sock.send(encode_request(WireRequest(id=1, op="health", auth=auth)))
         deadline = time.monotonic() + timeout
         while (remaining := deadline - time.monotonic()) > 0:
             if not sock.poll(int(remaining * 1000) + 1):
@@ -41,6 +43,7 @@ def engine_health(url: str, timeout: float) -> tuple[bool, str]:
 
 
 def run(args) -> int:
-    ok, message = engine_health(args.engine, args.timeout)
+    token = InternalToken.from_sources(args.internal_token_file, None)
+    ok, message = engine_health(args.engine, args.timeout, token.value if token else None)
     print(message, file=sys.stdout if ok else sys.stderr, flush=True)
     return 0 if ok else 1

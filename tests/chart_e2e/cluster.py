@@ -242,6 +242,13 @@ class Cluster:
             for c in pod.containers + pod.init_containers:
                 c.signal(9)
             pod.deleted = True
-        for server in self._servers:
-            self._loop.call_soon_threadsafe(server.close)
+        async def shutdown() -> None:
+            for server in self._servers:
+                server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)

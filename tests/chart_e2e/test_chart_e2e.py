@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.internal_auth import HEADER
 from tests.chart_e2e.cluster import Cluster
 from tests.chart_e2e.fake_apiserver import FakeApiServer
 from tests.chart_e2e.images import build_images
@@ -71,11 +72,16 @@ def api_key(cluster: Cluster) -> str:
     return cluster.object_data("Secret", f"{FULLNAME}-api-keys")["api-keys"].decode().split()[0]
 
 
-def chat(url: str, key: str, question: str, max_tokens: int = 16, timeout: float = 300) -> httpx.Response:
+def internal_token(cluster: Cluster) -> str:
+    return cluster.object_data("Secret", f"{FULLNAME}-internal")["internal-token"].decode()
+
+
+def chat(url: str, key: str, question: str, max_tokens: int = 16, timeout: float = 300,
+         headers: dict | None = None) -> httpx.Response:
     body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": question}]}
-    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                      timeout=timeout)
+    return httpx.post(f"{url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=timeout)
 
 
 def stream(url: str, key: str, prompt: str, max_tokens: int) -> tuple[str, bool, str]:
@@ -152,7 +158,8 @@ def test_cold_start_then_every_pod_ready_and_helm_test_passes(release):
     assert f"OK: {MODEL} answered" in output
 
     # Secrets reach processes as env and files only: none is on a command line.
-    secrets = [key, cluster.object_data("Secret", f"{FULLNAME}-redis")["redis-password"].decode()]
+    secrets = [key, cluster.object_data("Secret", f"{FULLNAME}-redis")["redis-password"].decode(),
+               internal_token(cluster)]
     pids = [pid for p in cluster.pods.values() for c in p.containers if c.alive() for pid in process_tree(c.proc.pid)]
     leaks = [pid for pid in pids for s in secrets if s.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert not leaks, f"secrets on the command line of {leaks}"
@@ -175,8 +182,10 @@ def test_a_frozen_engine_is_restarted_by_its_liveness_probe_not_its_scheduler(re
     restarted_s = cluster.wait(lambda: engine.restarts > engine_restarts, 60, "the engine to be restarted")
     ready_s = cluster.wait(lambda: pod.ready, 120, "the replica to be Ready again")
     assert scheduler.restarts == scheduler_restarts, "the scheduler must not be restarted for its engine"
-    # It serves again: directly (its own scheduler) and through the routers.
-    direct = chat(f"http://{pod.ip}:8100", api_key(cluster), "Are you back?")
+    # It serves again: directly (its own scheduler, as a router calls it) and through the routers.
+    scheduler_url = f"http://{pod.ip}:8100"
+    assert chat(scheduler_url, api_key(cluster), "Who are you?").status_code == 401, "only routers are served"
+    direct = chat(scheduler_url, api_key(cluster), "Are you back?", headers={HEADER: internal_token(cluster)})
     assert direct.status_code == 200, direct.text
     router_url = cluster.service_url(f"{FULLNAME}-router")
     through = [chat(router_url, api_key(cluster), f"Question {i}?").status_code for i in range(4)]

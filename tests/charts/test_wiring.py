@@ -372,3 +372,24 @@ def test_no_secret_value_is_on_a_command_line(variant):
             assert not leaked, f"{workload['metadata']['name']}/{container['name']} has a secret on its command line"
             for env in container.get("env", []):
                 assert env.get("value", "") not in secrets, "secrets come from secretKeyRef, not literal values"
+
+
+@pytest.mark.parametrize("variant, secret, key", [("default", f"{FULLNAME}-internal", "internal-token"),
+                                                  ("existing-secrets", "llm-internal-token", "token")])
+def test_routers_and_schedulers_share_the_internal_token_as_a_file(variant, secret, key):
+    from services.cli import build_parser
+
+    rendered = render(variant)
+    for component, name in (("router", "router"), ("replica", "scheduler")):
+        container = rendered.container(name)
+        token_file = build_parser().parse_args(container["args"]).internal_token_file
+        mount = next(m for m in container["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in pod_spec(rendered.workload(component))["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == secret and mount["readOnly"] is True
+        (item,) = volume["secret"]["items"]
+        assert item["key"] == key and token_file.endswith("/" + item["path"])
+    if variant == "default":
+        assert len(rendered.secret_value(secret, key)) >= 32
+    else:
+        assert secret not in {s["metadata"]["name"] for s in rendered.of_kind("Secret")}
+    assert "--internal-token-file" not in str(rendered.container("engine")["args"]), "the engine is loopback-only"

@@ -31,6 +31,30 @@ so it is cut at 52 characters to keep every Service name a valid 63-character DN
 {{- define "pagedserve.apiKeysSecretName" -}}
 {{- default (printf "%s-api-keys" (include "pagedserve.fullname" .)) .Values.router.apiKeys.existingSecret }}
 {{- end }}
+{{- define "pagedserve.internalTokenSecretName" -}}
+{{- default (printf "%s-internal" (include "pagedserve.fullname" .)) .Values.internalToken.existingSecret }}
+{{- end }}
+{{- define "pagedserve.internalTokenSecretKey" -}}
+{{- if .Values.internalToken.existingSecret }}{{ .Values.internalToken.existingSecretKey }}{{ else }}internal-token{{ end }}
+{{- end }}
+{{- define "pagedserve.internalTokenDir" -}}/etc/pagedserve/internal-token{{- end }}
+
+{{/* The internal token as a file: the volume (pods) and its mount (routers, schedulers). */}}
+{{- define "pagedserve.internalTokenVolume" -}}
+- name: internal-token
+  secret:
+    secretName: {{ include "pagedserve.internalTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "pagedserve.internalTokenSecretKey" . }}
+        path: internal-token
+{{- end }}
+{{- define "pagedserve.internalTokenMount" -}}
+- name: internal-token
+  mountPath: {{ include "pagedserve.internalTokenDir" . }}
+  readOnly: true
+{{- end }}
+
 {{- define "pagedserve.apiKeysSecretKey" -}}
 {{- if .Values.router.apiKeys.existingSecret }}{{ .Values.router.apiKeys.existingSecretKey }}{{ else }}api-keys{{ end }}
 {{- end }}
@@ -370,7 +394,7 @@ pod. The NetworkPolicy and NOTES.txt both read it, so what NOTES says is what th
 {{- end }}
 
 {{- define "pagedserve.secretsChecksum" -}}
-{{- toJson (list .Values.router.apiKeys .Values.redis.auth .Values.redis.external) | sha256sum }}
+{{- toJson (list .Values.router.apiKeys .Values.redis.auth .Values.redis.external .Values.internalToken) | sha256sum }}
 {{- end }}
 
 {{/* Probe timings: the startup probe polls every 10 s for startupTimeoutSeconds. */}}
