@@ -125,8 +125,7 @@ def dependency_venv(service: str, spec: InstallSpec) -> Path:
 
 def build_wheel(out: Path) -> Path:
     """This working tree as a wheel (what `pip install /src` builds in the image)."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO)], check=True, timeout=600)
+    _pip(Path(sys.executable), "wheel", "--no-deps", "-w", str(out), str(REPO), timeout=600)
     (wheel,) = out.glob("pagedserve-*.whl")
     return wheel
 

@@ -75,6 +75,7 @@ class Container:
     ready: bool = False
     generation: int = 0  # bumped on every (re)start: probe threads of an old run stop counting
     log_path: Path | None = None
+    exited_at: float | None = None  # monotonic time of the last stop's exit
     events: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -151,6 +152,7 @@ class Container:
             self.event("grace period over: SIGKILL")
             self.signal(signal.SIGKILL)
             self.proc.wait(10)
+        self.exited_at = time.monotonic()
         self.event(f"exited {self.proc.returncode}")
 
     def restart(self, grace: float, reason: str) -> None:

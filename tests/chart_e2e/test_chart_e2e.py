@@ -182,6 +182,7 @@ def test_a_frozen_engine_is_restarted_by_its_liveness_probe_not_its_scheduler(re
     restarted_s = cluster.wait(lambda: engine.restarts > engine_restarts, 60, "the engine to be restarted")
     ready_s = cluster.wait(lambda: pod.ready, 120, "the replica to be Ready again")
     assert scheduler.restarts == scheduler_restarts, "the scheduler must not be restarted for its engine"
+    assert any("liveness probe failed" in e for e in engine.events), engine.events
     # It serves again: directly (its own scheduler, as a router calls it) and through the routers.
     scheduler_url = f"http://{pod.ip}:8100"
     assert chat(scheduler_url, api_key(cluster), "Who are you?").status_code == 401, "only routers are served"
@@ -221,6 +222,9 @@ def test_a_replica_scaled_down_under_load_finishes_its_requests(release):
         deletion.start()
         results = [f.result(300) for f in futures]
         deletion.join(300)
+    engine, scheduler = victim.container("engine"), victim.container("scheduler")
+    # The engine's preStop held its SIGTERM until its scheduler had drained and exited.
+    assert engine.exited_at >= scheduler.exited_at, "the engine stopped before its scheduler"
     on_victim = [r for r in results if r[0] == victim.name]
     failures = [r for r in results if not r[1]]
     assert not failures, f"{len(failures)} of {n} requests failed or were cut short: {failures}"
@@ -228,6 +232,7 @@ def test_a_replica_scaled_down_under_load_finishes_its_requests(release):
     report("scale-down", ok=True, requests=n, finished=n - len(failures), failed=len(failures),
            on_removed_replica=len(on_victim), in_flight_there_at_deletion=int(in_flight_on_victim),
            tokens_each=tokens, pod_gone_after_s=round(time.monotonic() - deleted_at, 1),
+           engine_outlived_scheduler_s=round(engine.exited_at - scheduler.exited_at, 1),
            replicas_left=len(cluster.pods_of("replica")))
 
 
