@@ -42,7 +42,8 @@ def _add_generate(sub) -> None:
 
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="local cluster: redis-server, N scheduler+engine replicas and a router")
-    S.add_options(p, S.SERVE_OPTIONS + (S.REDIS_URL, S.POLICY, S.MAX_QUEUE), S.DEFAULT_PORTS["router"])
+    own = tuple(o for o in S.SERVE_OPTIONS if o is not S.IN_PROCESS_ENGINE)  # engines are processes in `up`
+    S.add_options(p, own + (S.REDIS_URL, S.POLICY, S.MAX_QUEUE), S.DEFAULT_PORTS["router"])
     p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start")
     p.add_argument("--routers", type=int, default=1, help="router processes to start (ports port, port+1, ...)")
     p.set_defaults(handler="services.commands.up:run")
