@@ -87,6 +87,9 @@ INTERNAL_TOKEN = Option("--internal-token", "the internal token itself (prefer t
 CACHE_ISOLATION = Option("--cache-isolation", "prefix-cache sharing between API keys: shared (one tenant) or "
                          "per-key (a key never hits, or can time, another key's cached blocks)", default="shared",
                          choices=("shared", "per-key"))
+IN_PROCESS_ENGINE = Option("--in-process-engine", "serve: run the engine in this process instead of a child "
+                           "process of its own (slower: forward passes then share the GIL with HTTP)",
+                           type=_parse_bool, default=False, is_switch=True)
 MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its running batch before it answers "
                      "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=int)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
@@ -102,7 +105,8 @@ ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE
                   INTERNAL_TOKEN, DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT,
                   MAX_BODY_BYTES, REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
-                 *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, LOG_LEVEL)
+                 *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE,
+                 LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}
