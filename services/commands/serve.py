@@ -98,10 +98,9 @@ def run(args) -> int:
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,
                                   heartbeat_interval=1.0)
     try:
-        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
         router = RouterService(RouterConfig(cache_isolation=args.cache_isolation, max_body_bytes=args.max_body_bytes),
                                tokenizer, index, keys, internal_token=token)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise SystemExit(f"pagedserve serve: {exc}") from None
     drain = getattr(args, "drain_timeout", 30.0)
 
