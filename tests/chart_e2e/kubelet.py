@@ -19,16 +19,14 @@ import base64
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.chart_e2e.images import Image
+from tests.chart_e2e.probes import probe_loops, run_handler
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 MIN_KILL_GRACE = 2.0  # the kubelet's floor between SIGTERM and SIGKILL
@@ -58,12 +56,6 @@ class Rewriter:
 
 
 @dataclass
-class ProbeState:
-    successes: int = 0
-    failures: int = 0
-
-
-@dataclass
 class Container:
     pod: Pod
     spec: dict
@@ -86,14 +78,17 @@ class Container:
     # -- the process ------------------------------------------------------------------------------
     def argv(self) -> list[str]:
         rw = self.pod.rewriter_for(self)
-        argv = [rw(a) for a in self.spec.get("command", []) + self.spec.get("args", [])]
-        exe = argv[0]
-        if "/" not in exe:  # resolved on the image's PATH, as the runtime does
+        argv = self.on_image_path([rw(a) for a in self.spec.get("command", []) + self.spec.get("args", [])])
+        env = self.env()
+        return [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in argv]
+
+    def on_image_path(self, argv: list[str]) -> list[str]:
+        """A bare command name resolved on the image's PATH, as the container runtime does."""
+        if "/" not in argv[0]:
             for directory in self.image.path_dirs:
-                if (directory / exe).exists():
-                    argv[0] = str(directory / exe)
-                    break
-        return [_VAR.sub(lambda m: self.env().get(m.group(1), m.group(0)), a) for a in argv]
+                if (directory / argv[0]).exists():
+                    return [str(directory / argv[0]), *argv[1:]]
+        return argv
 
     def env(self) -> dict[str, str]:
         rw = self.pod.rewriter_for(self)
@@ -165,110 +160,11 @@ class Container:
         self.events.append(line)
         self.pod.cluster.events.append(line)
 
-    # -- handlers and probes ------------------------------------------------------------------------
     def run_handler(self, handler: dict, timeout: float) -> bool:
-        if "sleep" in handler:
-            time.sleep(min(timeout, handler["sleep"]["seconds"]))
-            return True
-        if "exec" in handler:
-            rw = self.pod.rewriter_for(self)
-            argv = [rw(a) for a in handler["exec"]["command"]]
-            if "/" not in argv[0]:
-                for directory in self.image.path_dirs:
-                    if (directory / argv[0]).exists():
-                        argv[0] = str(directory / argv[0])
-                        break
-            try:
-                done = subprocess.run(argv, env=self.env(), cwd=self.pod.workdir(self), capture_output=True,
-                                      timeout=max(0.1, timeout), stdin=subprocess.DEVNULL)
-                return done.returncode == 0
-            except subprocess.TimeoutExpired:
-                return False
-        if "httpGet" in handler:
-            get = handler["httpGet"]
-            url = f"http://{self.pod.ip}:{self.port_number(get['port'])}{get.get('path', '/')}"
-            try:
-                with urllib.request.urlopen(url, timeout=timeout) as resp:
-                    return 200 <= resp.status < 400
-            except urllib.error.HTTPError as exc:
-                return 200 <= exc.code < 400
-            except OSError:
-                return False
-        if "tcpSocket" in handler:
-            try:
-                socket.create_connection((self.pod.ip, self.port_number(handler["tcpSocket"]["port"])),
-                                         timeout).close()
-                return True
-            except OSError:
-                return False
-        raise AssertionError(f"unsupported handler {handler}")
-
-    def port_number(self, port) -> int:
-        if isinstance(port, int):
-            return port
-        return next(p["containerPort"] for p in self.spec.get("ports", []) if p["name"] == port)
+        return run_handler(self, handler, timeout)
 
     def probe_loops(self) -> list[threading.Thread]:
-        return [threading.Thread(target=self._probe_loop, args=(kind,), daemon=True,
-                                 name=f"{self.pod.name}/{self.name}/{kind}")
-                for kind in ("startupProbe", "readinessProbe", "livenessProbe")]
-
-    def _probe_loop(self, kind: str) -> None:
-        probe = self.spec.get(kind)
-        generation = -1
-        state = ProbeState()
-        next_at = 0.0
-        while not self.pod.deleted:
-            if self.generation != generation:  # a new run of the container: probes start over
-                generation, state = self.generation, ProbeState()
-                next_at = time.monotonic() + ((probe or {}).get("initialDelaySeconds", 0))
-                if probe is None:
-                    if kind == "startupProbe":
-                        self.started = True
-                    elif kind == "readinessProbe":
-                        self._set_ready_after_start(generation)
-            if probe is None or (kind != "startupProbe" and not self.started) or \
-                    (kind == "startupProbe" and self.started) or time.monotonic() < next_at or not self.alive():
-                time.sleep(0.05)
-                continue
-            next_at = time.monotonic() + probe.get("periodSeconds", 10)
-            ok = self.run_handler(probe, timeout=probe.get("timeoutSeconds", 1))
-            if self.generation != generation or self.pod.deleted:
-                continue
-            if ok:
-                state.successes, state.failures = state.successes + 1, 0
-            else:
-                state.successes, state.failures = 0, state.failures + 1
-            self._apply(kind, probe, state, ok)
-
-    def _set_ready_after_start(self, generation: int) -> None:
-        def wait() -> None:
-            while not self.started and self.generation == generation and not self.pod.deleted:
-                time.sleep(0.05)
-            if self.generation == generation and not self.pod.terminating:
-                self.ready = True
-        threading.Thread(target=wait, daemon=True).start()
-
-    def _apply(self, kind: str, probe: dict, state: ProbeState, ok: bool) -> None:
-        threshold = probe.get("failureThreshold", 3)
-        if kind == "startupProbe":
-            if ok:
-                self.started = True
-                self.event("startup probe passed")
-            elif state.failures >= threshold:
-                self.pod.cluster.restart_async(self, self.pod.grace(probe), "startup probe failed")
-        elif kind == "readinessProbe":
-            if ok and state.successes >= probe.get("successThreshold", 1) and not self.pod.terminating:
-                if not self.ready:
-                    self.event("ready")
-                self.ready = True
-            elif not ok and state.failures >= threshold:
-                if self.ready:
-                    self.event("not ready (readiness probe failed)")
-                self.ready = False
-        elif not ok and state.failures >= threshold:
-            self.event(f"liveness probe failed {state.failures} times")
-            self.pod.cluster.restart_async(self, self.pod.grace(probe), "liveness probe failed")
+        return probe_loops(self)
 
 
 class Pod:
