@@ -58,6 +58,43 @@ class SchedulerOutput:
                    blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]])
 
 
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    """One reason the engine refused a step: which sequence (None: the step as a whole), which field."""
+
+    seq_id: str | None
+    field: str  # e.g. "token_ids", "block_table", "sampling.temperature", "blocks_to_copy"
+    message: str
+
+    def __str__(self) -> str:
+        where = "step" if self.seq_id is None else f"sequence {self.seq_id!r}"
+        return f"{where}: {self.field}: {self.message}"
+
+
+class InvalidStepError(ValueError):
+    """The engine refused a `SchedulerOutput` before any kernel read memory: a field is out of range.
+
+    `seq_ids` names the sequences at fault (the scheduler fails only their requests); a fault with no
+    sequence (a copy-on-write pair no sequence owns, a duplicate id) makes the whole step invalid.
+    """
+
+    def __init__(self, faults: list[StepFault]):
+        if not faults:
+            raise ValueError("InvalidStepError needs at least one fault")
+        self.faults = list(faults)
+        self.seq_ids = list(dict.fromkeys(f.seq_id for f in self.faults if f.seq_id is not None))
+        shown = "; ".join(str(f) for f in self.faults[:4])
+        more = f" (+{len(self.faults) - 4} more)" if len(self.faults) > 4 else ""
+        super().__init__(f"invalid step: {shown}{more}")
+
+    def to_wire(self) -> dict:
+        return {"faults": [asdict(f) for f in self.faults]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> InvalidStepError:
+        return cls([StepFault(**f) for f in d["faults"]])
+
+
 @dataclass(slots=True)
 class TokenLogprobs:
     logprob: float  # of the sampled token

@@ -114,7 +114,8 @@ class LocalCluster:
         for i in range(self.num_replicas):
             ep, sp = free_port(), free_port()
             engine_flags = _flags(a, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
-                                      "max_model_len", "log_level"])
+                                      "max_model_len", "attention_backend", "enforce_eager", "max_num_seqs",
+                                      "log_level"])
             # Replicas share the machine's cores: one torch thread pool each, sized to its share.
             env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": threads}
             self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
