@@ -15,6 +15,8 @@ and (later) every tensor-parallel rank build from the same `StepInputs`.
 
 from __future__ import annotations
 
+import array
+import math
 from dataclasses import dataclass
 from itertools import chain
 
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from services.engine.sampler import SampleRow
-from services.engine.step_validation import MAX_NUM_SAMPLES, StepLimits, find_faults, sampling_ok
+from services.engine.step_validation import INDEX_LIMIT, MAX_NUM_SAMPLES, StepLimits, find_faults, sampling_ok
 from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
@@ -36,7 +38,7 @@ class StepLayout:
     """Where each field lives in the step buffer: int64 fields first, then int32 (so all are aligned)."""
 
     shapes: dict[str, tuple[int, ...]]
-    offsets: dict[str, int]
+    spans: dict[str, tuple[int, int, torch.dtype]]  # name -> (start byte, end byte, dtype)
     nbytes: int
 
     @classmethod
@@ -49,31 +51,22 @@ class StepLayout:
             "prefill_query_start_loc": (num_prefill + 1 if num_prefill else 0,),
             "prefill_context_lens": (num_prefill,), "prefill_block_tables": (num_prefill, prefill_width),
         }
-        offsets, at = {}, 0
+        spans, at = {}, 0
         for name in _INT64_FIELDS + _INT32_FIELDS:
-            offsets[name] = at
-            at += int(np.prod(shapes[name])) * (8 if name in _INT64_FIELDS else 4)
-        return cls(shapes, offsets, at)
-
-    def _span(self, name: str) -> tuple[int, int, torch.dtype]:
-        dtype = torch.int64 if name in _INT64_FIELDS else torch.int32
-        start = self.offsets[name]
-        return start, start + int(np.prod(self.shapes[name])) * dtype.itemsize, dtype
+            dtype = torch.int64 if name in _INT64_FIELDS else torch.int32
+            end = at + math.prod(shapes[name]) * dtype.itemsize
+            spans[name] = (at, end, dtype)
+            at = end
+        return cls(shapes, spans, at)
 
     def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        out = {}
-        for name, shape in self.shapes.items():
-            start, end, dtype = self._span(name)
-            out[name] = buf[start:end].view(_NP[dtype]).reshape(shape)
-        return out
+        return {name: buf[start:end].view(_NP[dtype]).reshape(self.shapes[name])
+                for name, (start, end, dtype) in self.spans.items()}
 
     def tensors(self, buf: torch.Tensor) -> StepTensors:
         """Typed views of a (device or host) copy of the buffer."""
-        views = {}
-        for name, shape in self.shapes.items():
-            start, end, dtype = self._span(name)
-            views[name] = buf[start:end].view(dtype).view(shape)
-        return StepTensors(**views)
+        return StepTensors(**{name: buf[start:end].view(dtype).view(self.shapes[name])
+                              for name, (start, end, dtype) in self.spans.items()})
 
 
 @dataclass
@@ -119,7 +112,13 @@ class StepInputs:
 
 
 class StepInputBuilder:
-    """Turns a SchedulerOutput into StepInputs, validating it against the pool and the model."""
+    """Turns a SchedulerOutput into StepInputs, validating it against the pool and the model.
+
+    The common case is checked as it is laid out: scalar fields per sequence, token and block ids as
+    one 64-bit array each (which refuses a float, string, None or oversized int), KV slots for
+    duplicates. Only when that fails does `find_faults` walk the step to name every fault. Integers
+    are Python's: a bool counts as one.
+    """
 
     def __init__(self, limits: StepLimits, device: torch.device):
         self.limits = limits
@@ -140,10 +139,10 @@ class StepInputBuilder:
         may be padded to (None: run it eagerly)."""
         try:
             return self._build(out, graph_batch_for)
-        except InvalidStepError:
-            raise
+        except _Refused:
+            raise self._fail(out) from None
         except (TypeError, ValueError, OverflowError, AttributeError, IndexError):
-            # Malformed beyond the fast checks (a string where an int belongs, an int past int32).
+            # Malformed beyond the fast checks (an unhashable id, a nested list, ...).
             raise self._fail(out) from None
 
     def _build(self, out: SchedulerOutput, graph_batch_for) -> StepInputs:
@@ -154,24 +153,29 @@ class StepInputBuilder:
         ok = len({s.seq_id for s in seqs}) == len(seqs)
         for s in seqs:
             n, start = len(s.token_ids), s.start_pos
-            ok = (ok and type(s.seq_id) is str and type(start) is int and n >= 1 and start >= 0
+            ok = (ok and type(s.seq_id) is str and type(s.token_ids) is list and type(s.block_table) is list
+                  and isinstance(start, int) and n >= 1 and start >= 0
                   and start + n <= max_len and len(s.block_table) * bs >= start + n
-                  and type(s.sample_index) is int and 0 <= s.sample_index < 2 ** 63
-                  and type(s.output_index) is int and 0 <= s.output_index < 2 ** 63)
+                  and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
+                  and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
             if s.sample is True:
-                ok = (ok and type(s.num_samples) is int and 1 <= s.num_samples <= MAX_NUM_SAMPLES
+                ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
                       and sampling_ok(s.sampling, vocab))
             elif s.sample is not False:
                 ok = False
             if not ok:
-                raise self._fail(out)
+                raise _Refused
             (decodes if n == 1 else prefills).append(s)
         pairs = out.blocks_to_copy
         if pairs and not self._copies_ok(pairs):
-            raise self._fail(out)
-        # Decodes that share prefix blocks sit next to each other, so the attention kernel finds the
-        # shared blocks still in cache when it reaches the next sequence of the group.
-        decodes.sort(key=lambda s: s.block_table[0])
+            raise _Refused
+        # Block ids are checked before the decodes are sorted by their first block: sequences sharing
+        # prefix blocks then sit next to each other, so the attention kernel finds the shared blocks
+        # still in cache when it reaches the next sequence of the group.
+        decode_blocks, prefill_blocks = self._table_entries(decodes), self._table_entries(prefills)
+        order = sorted(range(len(decodes)), key=decode_blocks[2].__getitem__)
+        decodes = [decodes[i] for i in order]
+        decode_blocks = self._table_entries(decodes) if order != sorted(order) else decode_blocks
         nd, npf = len(decodes), len(prefills)
         decode_max = max((s.start_pos + 1 for s in decodes), default=0)
         batch = None
@@ -179,26 +183,39 @@ class StepInputBuilder:
                 s.sample and s.num_samples == 1 for s in decodes):
             batch = graph_batch_for(nd, decode_max)
         if batch is not None:
-            return self._decode_graph_step(out, decodes, batch)
-        return self._eager_step(out, decodes, prefills, decode_max)
+            return self._decode_graph_step(decodes, decode_blocks, batch)
+        return self._eager_step(out, decodes, prefills, decode_blocks, prefill_blocks, decode_max)
 
     def _copies_ok(self, pairs) -> bool:
         nb = self.limits.num_kv_blocks
         srcs = {p[0] for p in pairs}
         dsts = {p[1] for p in pairs}
         return (len(dsts) == len(pairs) and not srcs & dsts and all(
-            len(p) == 2 and type(p[0]) is int and type(p[1]) is int and 0 <= p[0] < nb and 0 <= p[1] < nb
+            len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], int) and 0 <= p[0] < nb and 0 <= p[1] < nb
             for p in pairs))
 
-    def _check_ranges(self, out, ids: np.ndarray, token_types: set, tables: list[np.ndarray],
-                      slots: np.ndarray) -> None:
-        """The vectorised checks: token ids in the vocabulary, block ids in the pool, no slot written twice."""
-        lim = self.limits
-        ok = token_types <= {int} and (not ids.size or (ids.min() >= 0 and ids.max() < lim.vocab_size))
-        for t in tables:
-            ok = ok and (not t.size or (t.min() >= 0 and t.max() < lim.num_kv_blocks))
-        if not ok or np.unique(slots).size != slots.size:
-            raise self._fail(out)
+    def _ints(self, values: list, hi: int) -> np.ndarray:
+        """`values` as int64, every one an integer in [0, hi); else the step is refused (array.array
+        raises TypeError for a float, string or None and OverflowError past 64 bits)."""
+        if not values:
+            return np.zeros(0, dtype=np.int64)
+        arr = np.frombuffer(array.array("q", values), dtype=np.int64)
+        if arr.min() < 0 or arr.max() >= hi:
+            raise _Refused
+        return arr
+
+    def _table_entries(self, seqs) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """(lengths, every entry concatenated, first entries) of the sequences' block tables, checked."""
+        lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+        flat = self._ints(list(chain.from_iterable(s.block_table for s in seqs)), self.limits.num_kv_blocks)
+        firsts = flat[np.concatenate(([0], np.cumsum(lens)[:-1]))].tolist() if len(seqs) else []
+        return lens, flat, firsts
+
+    @staticmethod
+    def _fill_tables(dst: np.ndarray, entries) -> None:
+        lens, flat, _ = entries
+        dst.fill(0)  # padding columns name block 0: valid memory, never read past a context
+        dst[:len(lens)][np.arange(dst.shape[1])[None, :] < lens[:, None]] = flat
 
     def _rows(self, ordered) -> tuple[list[int], list[SampleRow], list[str]]:
         """The last token of each sequence that samples, once per requested sample."""
@@ -213,46 +230,42 @@ class StepInputBuilder:
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 
-    @staticmethod
-    def _fill_tables(dst: np.ndarray, seqs) -> None:
-        dst.fill(0)  # padding columns name block 0: valid memory, never read past a context
-        for i, s in enumerate(seqs):
-            dst[i, :len(s.block_table)] = s.block_table
+    def _decode_slots(self, v, decodes, entries) -> np.ndarray:
+        """Fill the decode rows' tables, positions and context lengths; returns their KV slots."""
+        bs, nd = self.limits.block_size, len(decodes)
+        dt = v["decode_block_tables"]
+        self._fill_tables(dt, entries)
+        pos = np.fromiter((s.start_pos for s in decodes), dtype=np.int64, count=nd)
+        v["positions"][:nd] = pos
+        v["decode_context_lens"][:nd] = pos + 1
+        return dt[np.arange(nd), pos // bs].astype(np.int64) * bs + pos % bs
 
-    def _eager_step(self, out, decodes, prefills, decode_max: int) -> StepInputs:
+    def _eager_step(self, out, decodes, prefills, decode_blocks, prefill_blocks, decode_max: int) -> StepInputs:
         bs = self.limits.block_size
         nd, npf = len(decodes), len(prefills)
         q_lens = [len(s.token_ids) for s in prefills]
         num_tokens = nd + sum(q_lens)
-        ordered = decodes + prefills
-        sample_idx, rows, owners = self._rows(ordered)
+        sample_idx, rows, owners = self._rows(decodes + prefills)
         pairs = out.blocks_to_copy
         layout = StepLayout.of(
             num_tokens=num_tokens, num_samples=len(sample_idx), num_decode=nd,
-            decode_width=max((len(s.block_table) for s in decodes), default=0), num_prefill=npf,
-            prefill_width=max((len(s.block_table) for s in prefills), default=0), num_copies=len(pairs))
+            decode_width=int(decode_blocks[0].max(initial=0)), num_prefill=npf,
+            prefill_width=int(prefill_blocks[0].max(initial=0)), num_copies=len(pairs))
         host, v = self._alloc(layout)
-        flat_tokens = [s.token_ids[0] for s in decodes]
-        flat_tokens += chain.from_iterable(s.token_ids for s in prefills)
-        v["input_ids"][:] = flat_tokens
+        tokens = [s.token_ids[0] for s in decodes]
+        tokens += chain.from_iterable(s.token_ids for s in prefills)
+        v["input_ids"][:] = self._ints(tokens, self.limits.vocab_size)
         v["sample_idx"][:] = sample_idx
         if pairs:
             v["copy_src"][:] = [p[0] for p in pairs]
             v["copy_dst"][:] = [p[1] for p in pairs]
-        positions, slots = v["positions"], v["slot_mapping"]
-        tables = []
+        slots = v["slot_mapping"]
         if nd:
-            dt = v["decode_block_tables"]
-            self._fill_tables(dt, decodes)
-            pos = np.fromiter((s.start_pos for s in decodes), dtype=np.int64, count=nd)
-            positions[:nd] = pos
-            slots[:nd] = dt[np.arange(nd), pos // bs].astype(np.int64) * bs + pos % bs
-            v["decode_context_lens"][:] = pos + 1
-            tables.append(dt)
+            slots[:nd] = self._decode_slots(v, decodes, decode_blocks)
         spans, max_q, max_ctx = [], 0, 0
         if npf:
             pt = v["prefill_block_tables"]
-            self._fill_tables(pt, prefills)
+            self._fill_tables(pt, prefill_blocks)
             starts = np.fromiter((s.start_pos for s in prefills), dtype=np.int64, count=npf)
             lens = np.asarray(q_lens, dtype=np.int64)
             qsl = v["prefill_query_start_loc"]
@@ -261,46 +274,41 @@ class StepInputBuilder:
             ctx = starts + lens
             v["prefill_context_lens"][:] = ctx
             row = np.repeat(np.arange(npf), lens)
-            first = np.repeat(qsl[:-1].astype(np.int64) - starts, lens)
-            pos = np.arange(num_tokens - nd, dtype=np.int64) - first
-            positions[nd:] = pos
+            pos = np.arange(num_tokens - nd, dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64) - starts, lens)
+            v["positions"][nd:] = pos
             slots[nd:] = pt[row, pos // bs].astype(np.int64) * bs + pos % bs
-            tables.append(pt)
-            bounds = qsl.tolist()
-            ctx_list = ctx.tolist()
+            bounds, ctx_list = qsl.tolist(), ctx.tolist()
             spans = [(bounds[i], bounds[i + 1], ctx_list[i]) for i in range(npf)]
             max_q, max_ctx = int(lens.max()), int(ctx.max())
-        self._check_ranges(out, v["input_ids"], set(map(type, flat_tokens)), tables, slots)
+        if np.unique(slots).size != slots.size:
+            raise _Refused  # two sequences writing one KV slot: a copy-on-write the scheduler forgot
         return StepInputs(layout, host, num_tokens, nd, decode_max, max_q, max_ctx, spans, rows, owners,
                           num_copies=len(pairs), num_real_decodes=nd)
 
-    def _decode_graph_step(self, out, decodes, batch: tuple[int, int]) -> StepInputs:
+    def _decode_graph_step(self, decodes, decode_blocks, batch: tuple[int, int]) -> StepInputs:
         """A decode-only step padded to a captured batch size: padding rows write nowhere (slot -1),
         attend to one position of block 0 and are never sampled."""
         size, width = batch
-        bs = self.limits.block_size
         nd = len(decodes)
         layout = decode_graph_layout(size, width)
         host, v = self._alloc(layout)
-        flat_tokens = [s.token_ids[0] for s in decodes]
-        ids, positions, slots = v["input_ids"], v["positions"], v["slot_mapping"]
-        ids[:nd] = flat_tokens
+        ids, slots = v["input_ids"], v["slot_mapping"]
+        ids[:nd] = self._ints([s.token_ids[0] for s in decodes], self.limits.vocab_size)
         ids[nd:] = 0
-        dt = v["decode_block_tables"]
-        self._fill_tables(dt, decodes)
-        pos = np.fromiter((s.start_pos for s in decodes), dtype=np.int64, count=nd)
-        positions[:nd] = pos
-        positions[nd:] = 0
-        slots[:nd] = dt[np.arange(nd), pos // bs].astype(np.int64) * bs + pos % bs
+        slots[:nd] = self._decode_slots(v, decodes, decode_blocks)
+        if np.unique(slots[:nd]).size != nd:
+            raise _Refused
         slots[nd:] = -1
-        lens = v["decode_context_lens"]
-        lens[:nd] = pos + 1
-        lens[nd:] = 1
+        v["positions"][nd:] = 0
+        v["decode_context_lens"][nd:] = 1
         v["sample_idx"][:] = np.arange(size)
-        self._check_ranges(out, ids[:nd], set(map(type, flat_tokens)), [dt], slots[:nd])
         _, rows, owners = self._rows(decodes)
-        return StepInputs(layout, host, size, size, width * bs, 0, 0, [], rows, owners, graph_batch=size,
-                          num_real_decodes=nd)
+        return StepInputs(layout, host, size, size, width * self.limits.block_size, 0, 0, [], rows, owners,
+                          graph_batch=size, num_real_decodes=nd)
+
+
+class _Refused(Exception):
+    """The fast check failed: `find_faults` says why."""
 
 
 def decode_graph_layout(size: int, width: int) -> StepLayout:

@@ -34,21 +34,21 @@ class StepLimits:
 
 
 def _is_int(v) -> bool:
-    return type(v) is int
+    return isinstance(v, int)  # Python's rule: a bool is an int
 
 
 def _is_number(v) -> bool:
-    return type(v) is float or type(v) is int
+    return isinstance(v, (int, float))
 
 
 def sampling_ok(spec, vocab_size: int) -> bool:
     """The fast check of one SamplingSpec (the same rules as `_sampling_faults`, as one expression)."""
     t, p, k, seed, lp = spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.logprobs
-    return ((type(t) is float or type(t) is int) and 0.0 <= t <= 1.7976931348623157e308
-            and (type(p) is float or type(p) is int) and 0.0 < p <= 1.0
-            and type(k) is int and -1 <= k < INDEX_LIMIT
-            and (seed is None or (type(seed) is int and SEED_RANGE[0] <= seed < SEED_RANGE[1]))
-            and (lp is None or (type(lp) is int and 0 <= lp <= vocab_size)))
+    return (isinstance(t, (int, float)) and 0.0 <= t <= 1.7976931348623157e308
+            and isinstance(p, (int, float)) and 0.0 < p <= 1.0
+            and isinstance(k, int) and -1 <= k < INDEX_LIMIT
+            and (seed is None or (isinstance(seed, int) and SEED_RANGE[0] <= seed < SEED_RANGE[1]))
+            and (lp is None or (isinstance(lp, int) and 0 <= lp <= vocab_size)))
 
 
 def _sampling_faults(seq_id: str, spec, vocab_size: int) -> list[StepFault]:
@@ -73,7 +73,8 @@ def _sampling_faults(seq_id: str, spec, vocab_size: int) -> list[StepFault]:
 
 
 def _short(v) -> str:
-    text = repr(v) if not _is_int(v) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
+    # Never str() a huge int: past 4300 digits Python refuses (ValueError) instead of printing it.
+    text = repr(v) if not _is_int(v) or abs(v) < 10 ** 30 else f"an integer of {v.bit_length()} bits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
