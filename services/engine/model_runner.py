@@ -113,7 +113,7 @@ class ModelRunner:
                                fast.argmax_rows_exact if fast is not None else None)
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
                                                   cfg.vocab_size), self.device)
-        self.graphs = self._capture_graphs(config, graph_capture)
+        self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
         self.info = EngineInfo(
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
@@ -123,9 +123,9 @@ class ModelRunner:
                  ", CUDA graphs" if self.graphs is not None else "", self.num_kv_blocks, block_size,
                  self.num_kv_blocks * per_block / 2**30)
 
-    def _capture_graphs(self, config: EngineConfig, capture) -> DecodeGraphs | None:
-        if config.enforce_eager:
-            return None
+    def capture_decode_graphs(self, capture=None) -> DecodeGraphs | None:
+        """Decode graphs for every batch size up to max_num_seqs (None where none can be captured:
+        no capture given off CUDA, or a backend that reads the device on the host)."""
         attention = self.model.attn
         if capture is None:
             if self.device.type != "cuda":
@@ -135,7 +135,7 @@ class ModelRunner:
                 return None
             capture = CudaGraphCapture(self.device)
         return DecodeGraphs(self.model, self.kv_caches, attention, self.device, self.block_size,
-                            config.max_num_seqs, self.max_model_len, capture)
+                            self.config.max_num_seqs, self.max_model_len, capture)
 
     def reset(self) -> None:
         self.arena.zero_()

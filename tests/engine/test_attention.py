@@ -13,12 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services import LLM, SamplingParams
+from services.bench.step_driver import StepDriver
 from services.engine.attention import resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from tests.engine.conftest import hf_greedy
 from tests.engine.host_reads import HostReadError, guard_forward, no_host_reads
-from tests.engine.steps import StepDriver
 
 
 def test_backend_defaults_by_device_and_is_independent_of_it():

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.bench.step_driver import StepDriver
 from services.engine import cuda_graphs
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import FakeGraphCapture, capture_sizes
 from services.engine.model_runner import ModelRunner
 from services.engine.step_inputs import StepInputs
-from tests.engine.steps import StepDriver
 
 
 def test_capture_sizes_double_up_to_max_num_seqs():

@@ -1,5 +1,6 @@
-"""Steps built by hand for engine tests: sequences with their own block tables, driven through a
-ModelRunner without the scheduler (prefill in chunks, then decodes fed with the sampled tokens)."""
+"""Synthetic steps for an engine without a scheduler: sequences with their own block tables, driven
+through a ModelRunner (prefill in chunks, then decodes fed with the sampled tokens). The GPU check
+measures the engine alone with it; engine tests build exact steps with it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def scheduled(seq_id: str, tokens: list[int], start: int, table: list[int], *, s
 
 
 @dataclass
-class HandSequence:
+class SyntheticSequence:
     seq_id: str
     tokens: list[int]  # prompt, then every sampled token
     table: list[int]
@@ -30,16 +31,28 @@ class StepDriver:
         self.runner = runner
         self.block_size = runner.block_size
         self.next_block = first_block
-        self.seqs: dict[str, HandSequence] = {}
+        self.seqs: dict[str, SyntheticSequence] = {}
         self.step_id = 0
 
     def add(self, seq_id: str, prompt: list[int]) -> None:
-        self.seqs[seq_id] = HandSequence(seq_id, list(prompt), [])
+        self.seqs[seq_id] = SyntheticSequence(seq_id, list(prompt), [])
 
-    def _grow(self, s: HandSequence, upto: int) -> None:
+    def _grow(self, s: SyntheticSequence, upto: int) -> None:
         while len(s.table) * self.block_size < upto:
             s.table.append(self.next_block)
             self.next_block += 1
+
+    def prefill(self, budget: int) -> int:
+        """Steps of at most `budget` prompt tokens until every prompt has sampled; returns the steps."""
+        steps = 0
+        while any(not s.samples for s in self.seqs.values()):
+            chunks, left = {}, budget
+            for s in self.seqs.values():
+                chunks[s.seq_id] = n = 0 if s.samples else min(len(s.tokens) - s.computed, left)
+                left -= n
+            self.step(chunks)
+            steps += 1
+        return steps
 
     def step(self, chunks: dict[str, int] | None = None) -> dict[str, list[int]]:
         """One step: `chunks` gives prompt tokens to compute per sequence (default: the rest of the
