@@ -169,13 +169,11 @@ class StepInputBuilder:
         pairs = out.blocks_to_copy
         if pairs and not self._copies_ok(pairs):
             raise _Refused
-        # Block ids are checked before the decodes are sorted by their first block: sequences sharing
-        # prefix blocks then sit next to each other, so the attention kernel finds the shared blocks
-        # still in cache when it reaches the next sequence of the group.
+        # Decodes that share prefix blocks sit next to each other, so the attention kernel finds the
+        # shared blocks still in cache when it reaches the next sequence of the group. (Every table has
+        # a first block by now; one that cannot be compared raises TypeError: refused below.)
+        decodes.sort(key=lambda s: s.block_table[0])
         decode_blocks, prefill_blocks = self._table_entries(decodes), self._table_entries(prefills)
-        order = sorted(range(len(decodes)), key=decode_blocks[2].__getitem__)
-        decodes = [decodes[i] for i in order]
-        decode_blocks = self._table_entries(decodes) if order != sorted(order) else decode_blocks
         nd, npf = len(decodes), len(prefills)
         decode_max = max((s.start_pos + 1 for s in decodes), default=0)
         batch = None
@@ -204,16 +202,14 @@ class StepInputBuilder:
             raise _Refused
         return arr
 
-    def _table_entries(self, seqs) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """(lengths, every entry concatenated, first entries) of the sequences' block tables, checked."""
+    def _table_entries(self, seqs) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, every entry concatenated) of the sequences' block tables, checked."""
         lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-        flat = self._ints(list(chain.from_iterable(s.block_table for s in seqs)), self.limits.num_kv_blocks)
-        firsts = flat[np.concatenate(([0], np.cumsum(lens)[:-1]))].tolist() if len(seqs) else []
-        return lens, flat, firsts
+        return lens, self._ints(list(chain.from_iterable(s.block_table for s in seqs)), self.limits.num_kv_blocks)
 
     @staticmethod
     def _fill_tables(dst: np.ndarray, entries) -> None:
-        lens, flat, _ = entries
+        lens, flat = entries
         dst.fill(0)  # padding columns name block 0: valid memory, never read past a context
         dst[:len(lens)][np.arange(dst.shape[1])[None, :] < lens[:, None]] = flat
 
