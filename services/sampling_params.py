@@ -6,6 +6,7 @@ a 400 and the offline API into a ValueError before anything is queued.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -16,6 +17,12 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+# Below this a temperature only divides logits into overflow: such a request is greedy (vLLM does the same).
+MIN_TEMPERATURE = 1e-5
+_INT64 = (-(2**63), 2**63 - 1)
+_TOKEN_ID_LIMIT = 2**31
 
 
 @dataclass
@@ -33,9 +40,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top-k alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # prefix-cache isolation: blocks of different salts never match
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     MAX_LOGPROBS = 20
+    MAX_STOP_STRINGS = 16
+    MAX_STOP_CHARS = 1024
+    MAX_STOP_TOKEN_IDS = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,38 +55,49 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
+    @property
+    def effective_temperature(self) -> float:
+        """What the engine samples with: 0 (greedy) for temperatures too small to divide logits by."""
+        return 0.0 if self.temperature < MIN_TEMPERATURE else float(self.temperature)
+
     def validate(self) -> None:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.n) or self.n < 1 or self.n > 128:
             raise InvalidRequestError("n", f"must be an integer in [1, 128], got {self.n!r}")
-        if not is_num(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
-            raise InvalidRequestError("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or not -1 <= self.top_k < _TOKEN_ID_LIMIT:
             raise InvalidRequestError("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.seed is not None and (not is_int(self.seed) or not _INT64[0] <= self.seed <= _INT64[1]):
+            raise InvalidRequestError("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64[1]):
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= _INT64[1]:
             raise InvalidRequestError("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", "must not exceed max_tokens")
         for s in self.stop_strings:
-            if not isinstance(s, str) or not s:
-                raise InvalidRequestError("stop", f"must be non-empty strings, got {s!r}")
-        if len(self.stop_strings) > 16:
-            raise InvalidRequestError("stop", "at most 16 stop strings")
+            if not isinstance(s, str) or not s or len(s) > self.MAX_STOP_CHARS:
+                raise InvalidRequestError("stop", f"must be non-empty strings of at most {self.MAX_STOP_CHARS} "
+                                          f"characters, got {s!r:.80}")
+        if len(self.stop_strings) > self.MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {self.MAX_STOP_STRINGS} stop strings")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {self.MAX_STOP_TOKEN_IDS} stop token ids")
         for t in self.stop_token_ids:
-            if not is_int(t) or t < 0:
-                raise InvalidRequestError("stop_token_ids", f"must be non-negative integers, got {t!r}")
+            if not is_int(t) or not 0 <= t < _TOKEN_ID_LIMIT:
+                raise InvalidRequestError("stop_token_ids", f"must be token ids (non-negative integers), got {t!r}")
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > 256):
+            raise InvalidRequestError("cache_salt", "must be a non-empty string of at most 256 characters")

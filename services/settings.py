@@ -42,6 +42,9 @@ def _parse_bool(text: str) -> bool:
 
 
 HOST = Option("--host", "address to listen on", default="0.0.0.0")
+# The engine takes steps from its own scheduler only: loopback unless told otherwise (and then a token).
+ENGINE_HOST = Option("--host", "address to listen on (beyond loopback only with an internal token)",
+                     default="127.0.0.1")
 MODEL = Option("--model", "Hugging Face directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
 SERVED_MODEL_NAME = Option("--served-model-name", "model id reported by /v1/models and accepted in requests")
 DTYPE = Option("--dtype", "weight and KV dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -80,20 +83,34 @@ DRAIN_TIMEOUT = Option("--drain-timeout", "seconds to finish in-flight requests 
                        type=float, default=30.0)
 ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
                         type=float, default=120.0)
+INTERNAL_TOKEN_FILE = Option("--internal-token-file", "file holding the token routers and schedulers share: "
+                             "routers present it, schedulers require it, registry records are signed with it")
+INTERNAL_TOKEN = Option("--internal-token", "the internal token itself (prefer the file or the env var)")
+CACHE_ISOLATION = Option("--cache-isolation", "prefix-cache sharing between API keys: shared (one tenant) or "
+                         "per-key (a key never hits, or can time, another key's cached blocks)", default="shared",
+                         choices=("shared", "per-key"))
+IN_PROCESS_ENGINE = Option("--in-process-engine", "serve: run the engine in this process instead of a child "
+                           "process of its own (slower: forward passes then share the GIL with HTTP)",
+                           type=_parse_bool, default=False, is_switch=True)
+MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its running batch before it answers "
+                     "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=int)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 # The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
-ENGINE_OPTIONS = (HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN,
-                  ATTENTION_BACKEND, ENFORCE_EAGER, MAX_NUM_SEQS, LOG_LEVEL)
-_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN)
+ENGINE_OPTIONS = (ENGINE_HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN,
+                  ATTENTION_BACKEND, ENFORCE_EAGER, MAX_NUM_SEQS, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
-                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT, LOG_LEVEL)
-ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS,
+                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
+                     INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, INTERNAL_TOKEN_FILE,
+                  INTERNAL_TOKEN,
                   DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, MAX_BODY_BYTES, REQUEST_TIMEOUT,
                   DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
-                 ATTENTION_BACKEND, ENFORCE_EAGER, *_SCHEDULING, API_KEYS_FILE, API_KEYS, MAX_BODY_BYTES, LOG_LEVEL)
+                 ATTENTION_BACKEND, ENFORCE_EAGER, *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION,
+                 MAX_BODY_BYTES, IN_PROCESS_ENGINE, LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}

@@ -33,6 +33,8 @@ class ScheduledSequence:
     num_samples: int = 1  # > 1 once, when a prompt with n > 1 finishes prefill: the sequence forks
     sample_index: int = 0  # which of the request's n samples this sequence is (seed mixing)
     output_index: int = 0  # tokens this sequence has generated so far (seed mixing)
+    # Token ids the sampler must not pick this step: EOS and stop token ids until min_tokens are out.
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -56,43 +58,6 @@ class SchedulerOutput:
         ]
         return cls(step_id=d["step_id"], sequences=seqs,
                    blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]])
-
-
-@dataclass(frozen=True, slots=True)
-class StepFault:
-    """One reason the engine refused a step: which sequence (None: the step as a whole), which field."""
-
-    seq_id: str | None
-    field: str  # e.g. "token_ids", "block_table", "sampling.temperature", "blocks_to_copy"
-    message: str
-
-    def __str__(self) -> str:
-        where = "step" if self.seq_id is None else f"sequence {self.seq_id!r}"
-        return f"{where}: {self.field}: {self.message}"
-
-
-class InvalidStepError(ValueError):
-    """The engine refused a `SchedulerOutput` before any kernel read memory: a field is out of range.
-
-    `seq_ids` names the sequences at fault (the scheduler fails only their requests); a fault with no
-    sequence (a copy-on-write pair no sequence owns, a duplicate id) makes the whole step invalid.
-    """
-
-    def __init__(self, faults: list[StepFault]):
-        if not faults:
-            raise ValueError("InvalidStepError needs at least one fault")
-        self.faults = list(faults)
-        self.seq_ids = list(dict.fromkeys(f.seq_id for f in self.faults if f.seq_id is not None))
-        shown = "; ".join(str(f) for f in self.faults[:4])
-        more = f" (+{len(self.faults) - 4} more)" if len(self.faults) > 4 else ""
-        super().__init__(f"invalid step: {shown}{more}")
-
-    def to_wire(self) -> dict:
-        return {"faults": [asdict(f) for f in self.faults]}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> InvalidStepError:
-        return cls([StepFault(**f) for f in d["faults"]])
 
 
 @dataclass(slots=True)
@@ -133,3 +98,42 @@ class EngineInfo:
 
     def to_wire(self) -> dict:
         return asdict(self)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot be reached, went away mid-step, restarted (its KV cache is gone) or hung: every
+    request on it is lost. Nothing about one request causes this."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    """One reason the engine refused a step: which sequence (None: the step as a whole), which field."""
+
+    seq_id: str | None
+    field: str  # e.g. "token_ids", "block_table", "sampling.temperature", "blocks_to_copy"
+    message: str
+
+    def __str__(self) -> str:
+        where = "step" if self.seq_id is None else f"sequence {self.seq_id!r}"
+        return f"{where}: {self.field}: {self.message}"
+
+
+class InvalidStepError(ValueError):
+    """The engine refused a step because of some of its sequences (named), before any kernel touched
+    memory: only their requests fail, the rest of the batch runs again without them. `faults` says
+    which field of which sequence (engine side; over the wire only the message and the ids travel). A
+    fault of the step as a whole (a copy-on-write pair no sequence owns) names no sequence."""
+
+    def __init__(self, message: str, seq_ids: list[str], faults: list[StepFault] | None = None):
+        super().__init__(message)
+        self.seq_ids = list(seq_ids)
+        self.faults = list(faults or [])
+
+    @classmethod
+    def from_faults(cls, faults: list[StepFault]) -> InvalidStepError:
+        if not faults:
+            raise ValueError("InvalidStepError needs at least one fault")
+        shown = "; ".join(str(f) for f in faults[:4])
+        more = f" (+{len(faults) - 4} more)" if len(faults) > 4 else ""
+        seq_ids = list(dict.fromkeys(f.seq_id for f in faults if f.seq_id is not None))
+        return cls(f"invalid step: {shown}{more}", seq_ids, faults)

@@ -10,9 +10,10 @@ from services.step_protocol import SamplingSpec, ScheduledSequence, SchedulerOut
 
 
 def scheduled(seq_id: str, tokens: list[int], start: int, table: list[int], *, sample: bool = True,
-              num_samples: int = 1, **sampling) -> ScheduledSequence:
+              num_samples: int = 1, banned: list[int] | None = None, **sampling) -> ScheduledSequence:
     return ScheduledSequence(seq_id=seq_id, token_ids=list(tokens), start_pos=start, block_table=list(table),
-                             sample=sample, sampling=SamplingSpec(**sampling), num_samples=num_samples)
+                             sample=sample, sampling=SamplingSpec(**sampling), num_samples=num_samples,
+                             banned_token_ids=list(banned or []))
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.internal_auth import InternalToken
 from services.model_source import resolve_tokenizer
 from services.openai_api.server import make_server, run_servers
 from services.registry.redis_sink import connect, redacted
@@ -18,8 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def router_config(args) -> RouterConfig:
-    return RouterConfig(policy=args.policy, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                        request_timeout=args.request_timeout)
+    return RouterConfig(policy=args.policy, cache_isolation=args.cache_isolation, max_queue=args.max_queue,
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
 
 
 def run(args) -> int:
@@ -31,12 +32,23 @@ def run(args) -> int:
 
         replica_filter = EndpointSliceDiscovery(args.k8s_service, args.k8s_namespace)
         replica_filter.start()
-    keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+    try:
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
+        token = InternalToken.from_sources(args.internal_token_file, args.internal_token)
+    except (ValueError, OSError) as exc:  # keys or token configured but unusable: never start open
+        raise SystemExit(f"pagedserve router: {exc}") from None
+    if token is None:
+        log.warning("no internal token: schedulers cannot tell this router from any other caller, and registry "
+                    "records are not verified (set --internal-token-file in production)")
     if keys.enabled:
         log.info("API keys required (%s)", "file and/or env" if args.api_keys_file else "env/flag")
     # Tokenizer and chat template only: the router never loads (or converts) weights.
     tokenizer = ModelTokenizer(resolve_tokenizer(args.model))
-    service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url)), keys, replica_filter)
+    try:
+        service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url), signer=token),
+                                keys, replica_filter, token)
+    except ValueError as exc:  # a configuration that cannot be served safely: say so and stop
+        raise SystemExit(f"pagedserve router: {exc}") from None
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)
     log.info("router on %s:%d, policy %s, registry %s", args.host, args.port, args.policy, redacted(args.redis_url))
     asyncio.run(run_servers([server]))

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 
+from services.internal_auth import InternalToken
 from services.model_source import resolve_tokenizer
 from services.openai_api.server import StartingApp, make_server, run_servers
 from services.replica.service import ReplicaSettings, build_replica
@@ -35,7 +36,9 @@ def replica_settings(args) -> ReplicaSettings:
     return ReplicaSettings(served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-                           max_body_bytes=args.max_body_bytes)
+                           max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+                           internal_token=InternalToken.from_sources(getattr(args, "internal_token_file", None),
+                                                                     getattr(args, "internal_token", None)))
 
 
 def run(args) -> int:
@@ -46,7 +49,8 @@ def run(args) -> int:
 async def _main(args) -> None:
     # Tokenizer and config only: the engine owns the weights (and any conversion of them).
     tokenizer = ModelTokenizer(await asyncio.to_thread(resolve_tokenizer, args.model))
-    executor = RemoteExecutor(args.engine, timeout=args.engine_timeout)
+    settings = replica_settings(args)
+    executor = RemoteExecutor(args.engine, timeout=args.engine_timeout, token=settings.internal_token)
     starting = StartingApp("the engine is not ready yet")
     server = make_server(starting, args.host, args.port, args.drain_timeout, args.log_level, lifespan="off")
     publishers: list = []
@@ -58,7 +62,7 @@ async def _main(args) -> None:
     async def start_replica() -> None:
         log.info("waiting for the engine at %s", args.engine)
         await asyncio.to_thread(executor.wait_ready, ENGINE_STARTUP_TIMEOUT)
-        service = await asyncio.to_thread(build_replica, executor, tokenizer, replica_settings(args))
+        service = await asyncio.to_thread(build_replica, executor, tokenizer, settings)
         starting.target = service.app
         log.info("replica ready: model %s, %d KV blocks", service.model_name, service.replica.core.info.num_kv_blocks)
         tasks = [service.replica.supervise()]
@@ -67,8 +71,8 @@ async def _main(args) -> None:
 
             replica_id = args.replica_id or f"{socket.gethostname()}:{args.port}"
             url = args.advertise_url or default_advertise_url(args.host, args.port)
-            pub = service.publisher(RedisSink(connect(args.redis_url)), replica_id, url, args.max_num_seqs,
-                                    args.heartbeat_interval)
+            sink = RedisSink(connect(args.redis_url), signer=settings.internal_token)
+            pub = service.publisher(sink, replica_id, url, args.max_num_seqs, args.heartbeat_interval)
             publishers.append(pub)
             tasks.append(pub.run())
             log.info("registered as %s at %s in %s", replica_id, url, redacted(args.redis_url))

@@ -7,80 +7,25 @@ restarted (and rejoins through the registry); Ctrl-C stops routers first, then r
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 import httpx
 
+from services.commands.processes import ENGINE_FLAGS, Child, flags
+from services.internal_auth import InternalToken
 from services.ports import free_port
+from services.registry.redis_sink import redacted
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 15.0
 READY_TIMEOUT = 600.0
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if `up` itself dies without cleaning up (e.g. SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setsid()  # own process group: a terminal's Ctrl-C reaches `up`, which stops children in order
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    quiet: bool = False  # drop its stdout (redis-server's banner)
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
-                                     stdout=subprocess.DEVNULL if self.quiet else None)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive:
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout: float) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs; killing it", self.name, timeout)
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _flags(args, names: list[str]) -> list[str]:
-    """Pass through the options the user gave (None means: leave the service's default)."""
-    out = []
-    for name in names:
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 class LocalCluster:
@@ -89,6 +34,7 @@ class LocalCluster:
         self.cli = [python, "-m", "services.cli"]
         self.redis: Child | None = None
         self.redis_url = getattr(args, "redis_url", None)
+        self.token = InternalToken.generate()  # routers and schedulers of this cluster share it
         self.engines: list[Child] = []
         self.schedulers: list[Child] = []
         self.routers: list[Child] = []
@@ -107,33 +53,39 @@ class LocalCluster:
                 raise SystemExit("redis-server not found: install it (apt-get install -y redis-server) or pass "
                                  "--redis-url")
             port = free_port()
-            self.redis = Child("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "no", "--loglevel", "warning"], quiet=True)
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            password = secrets.token_urlsafe(24)
+            # The password goes in through stdin ("-" reads config from it), not argv, which /proc shows.
+            self.redis = Child("redis", [exe, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                         "--appendonly", "no", "--loglevel", "warning"], quiet=True,
+                               stdin=f"requirepass {password}\n")
+            self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        # Secrets reach children through their environment, never their command line.
+        secret_env = {**self.token.env(), "PAGEDSERVE_REDIS_URL": self.redis_url}
+        if getattr(a, "api_keys", None):
+            secret_env["PAGEDSERVE_API_KEYS"] = a.api_keys
         threads = str(max(1, (os.cpu_count() or 1) // self.num_replicas))
         for i in range(self.num_replicas):
             ep, sp = free_port(), free_port()
-            engine_flags = _flags(a, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
-                                      "max_model_len", "attention_backend", "enforce_eager", "max_num_seqs",
-                                      "log_level"])
+            engine_flags = flags(a, ENGINE_FLAGS)
             # Replicas share the machine's cores: one torch thread pool each, sized to its share.
             env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": threads}
             self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
-                                                      *engine_flags], env))
-            sched_flags = _flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
-                                     "enable_prefix_caching", "max_model_len", "max_body_bytes", "log_level"])
+                                                      *engine_flags], {**env, **self.token.env()}))
+            sched_flags = flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
+                                     "enable_prefix_caching", "max_model_len", "max_waiting", "max_body_bytes",
+                                     "log_level"])
             url = f"http://127.0.0.1:{sp}"
             self.schedulers.append(Child(f"scheduler-{i}", [
                 *self.cli, "scheduler", "--host", "127.0.0.1", "--port", str(sp), "--engine", f"tcp://127.0.0.1:{ep}",
-                "--redis-url", self.redis_url, "--replica-id", f"replica-{i}", "--advertise-url", url,
-                "--heartbeat-interval", "0.5", *sched_flags]))
+                "--replica-id", f"replica-{i}", "--advertise-url", url, "--heartbeat-interval", "0.5", *sched_flags],
+                {k: v for k, v in secret_env.items() if k != "PAGEDSERVE_API_KEYS"}))
             self.scheduler_urls.append(url)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = _flags(a, ["model", "policy", "api_keys_file",
-                                      "api_keys", "max_body_bytes", "log_level"])
+            router_flags = flags(a, ["model", "policy", "cache_isolation", "api_keys_file", "max_queue",
+                                      "max_body_bytes", "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
-                                                      "--redis-url", self.redis_url, *router_flags]))
+                                                      *router_flags], dict(secret_env)))
             self.router_urls.append(f"http://127.0.0.1:{port}")
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -196,7 +148,7 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     try:
         cluster.start()
-        print(f"pagedserve up: {args.replicas} replicas, registry {cluster.redis_url}", flush=True)
+        print(f"pagedserve up: {args.replicas} replicas, registry {redacted(cluster.redis_url)}", flush=True)
         for url in cluster.router_urls:
             print(f"  router      {url}/v1", flush=True)
         for i, url in enumerate(cluster.scheduler_urls):

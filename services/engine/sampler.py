@@ -12,11 +12,12 @@ is in the batch and even after preemption and recomputation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
+from services.sampling_params import MIN_TEMPERATURE
 from services.step_protocol import SamplingSpec, TokenLogprobs
 
 
@@ -25,6 +26,7 @@ class SampleRow:
     spec: SamplingSpec
     sample_index: int
     output_index: int
+    banned: list[int] = field(default_factory=list)  # token ids this row may not pick (min_tokens)
 
 
 def _row_seed(seed: int, sample_index: int, output_index: int) -> int:
@@ -48,8 +50,15 @@ class Sampler:
         head_weight the output embedding, for exact greedy on half-precision logits. Returns token ids
         and, where asked, log-probabilities."""
         n = len(rows)
-        greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0.0]
-        rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0.0]
+        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned]
+        if banned:
+            vocab = logits.shape[1]
+            for i, ids in banned:  # in place: these logits are this step's alone
+                logits[i, torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long,
+                                       device=logits.device)] = float("-inf")
+        # Temperatures too small to divide by are greedy (the scheduler already sends them as 0).
+        greedy = [i for i, r in enumerate(rows) if r.spec.temperature < MIN_TEMPERATURE]
+        rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
         want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
         if len(greedy) == n and not want:  # the common case: no float32 copy of the logits at all
             return self._greedy(logits, hidden, head_weight).tolist(), [None] * n
@@ -113,12 +122,14 @@ class Sampler:
         vocab = logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).unsqueeze(1)
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device).unsqueeze(1)
         drop = ranks >= k
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
         before = probs.cumsum(dim=-1) - probs
         p = torch.tensor(top_ps, device=logits.device, dtype=torch.float32).unsqueeze(1)
         drop |= before >= p
+        # The top token always stays, whatever top_p rounds to in float32 (1e-50 is 0 there).
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

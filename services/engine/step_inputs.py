@@ -128,7 +128,7 @@ class StepInputBuilder:
         faults = find_faults(out, self.limits)
         # The fast check and the field-by-field walk follow the same rules; should they ever disagree,
         # the step is still refused rather than run.
-        return InvalidStepError(faults or [StepFault(None, "step", "malformed step (no single field named)")])
+        return InvalidStepError.from_faults(faults or [StepFault(None, "step", "malformed step (no field named)")])
 
     def _alloc(self, layout: StepLayout) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -159,8 +159,11 @@ class StepInputBuilder:
                   and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
                   and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
             if s.sample is True:
+                banned = s.banned_token_ids
                 ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
-                      and sampling_ok(s.sampling, vocab))
+                      and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab)
+                if ok and banned:
+                    self._ints(banned, INDEX_LIMIT)
             elif s.sample is not False:
                 ok = False
             if not ok:
@@ -222,7 +225,7 @@ class StepInputBuilder:
             if s.sample:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
-                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index))
+                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 

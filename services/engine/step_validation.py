@@ -133,6 +133,12 @@ def _sequence_faults(s, limits: StepLimits) -> list[StepFault]:
         if not _is_int(ns) or not 1 <= ns <= MAX_NUM_SAMPLES:
             bad("num_samples", f"must be an integer in [1, {MAX_NUM_SAMPLES}], got {_short(ns)}")
         out += _sampling_faults(seq_id, s.sampling, limits.vocab_size)
+        banned = s.banned_token_ids
+        why = _int_list_fault(banned, 0, INDEX_LIMIT, "token ids")
+        if why is None and len(banned) > limits.vocab_size:
+            why = f"{len(banned)} ids, more than the vocabulary's {limits.vocab_size}"
+        if why:
+            bad("banned_token_ids", why)
     return out
 
 

@@ -51,16 +51,23 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def validation_error(exc: RequestValidationError | Exception) -> APIError:
-    """Pydantic's first complaint, as a 400 naming the field (e.g. `messages.0.content`)."""
+    """Pydantic's most specific complaint, as a 400 naming the field (e.g. `messages.0.content`).
+
+    A union field (a prompt is text, texts, ids or lists of ids) gets one error per member; the member
+    the value came closest to (deepest, and of the right type but a bad value) is the one worth reporting.
+    """
     errors = exc.errors() if hasattr(exc, "errors") else []
     if not errors:
         return APIError(400, str(exc))
-    first = errors[0]
+    first = max(errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(e.get("loc", ()))))
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    # Union types repeat the field once per member type ("prompt.str", "prompt.list[int]"): drop those.
-    loc = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool")]
+    # Union members appear in the path by type name ("prompt.str", "prompt.list[int]"): drop those.
+    loc = [p for p in loc if not any(c in p for c in "[]-") and p not in ("str", "int", "float", "bool")]
     param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field; this server does not accept it"
+    else:
+        msg = first.get("msg", "invalid value")
     return APIError(400, f"{param}: {msg}" if param else msg, param)
 
 

@@ -19,6 +19,8 @@ INLINE_TOKENIZE_CHARS = 20_000  # longer texts are tokenized in a worker thread
 
 
 class TokenizerLike(Protocol):
+    vocab_size: int
+
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
@@ -52,9 +54,22 @@ def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
         prompts = [list(req.prompt)]
     else:
         prompts = [list(p) for p in req.prompt]
-    if any(len(p) == 0 for p in prompts):
+    if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt must not be empty", _prompt_field(req))
+    vocab = tokenizer.vocab_size
+    for p in prompts:
+        if max(p) >= vocab:
+            field = "prompt_token_ids" if req.prompt_token_ids is not None else _prompt_field(req)
+            raise APIError(400, f"{field}: token id {max(p)} is outside the vocabulary [0, {vocab})", field)
     return prompts
+
+
+def _check_vocab_fields(req, vocab: int) -> None:
+    if req.top_k is not None and req.top_k > vocab:
+        raise APIError(400, f"top_k: {req.top_k} exceeds the vocabulary size {vocab}", "top_k")
+    for t in req.stop_token_ids or ():
+        if t >= vocab:
+            raise APIError(400, f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})", "stop_token_ids")
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
@@ -83,7 +98,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
     except InvalidRequestError as exc:
         name = max_tokens_field if exc.field == "max_tokens" else exc.field
         if is_chat and exc.field == "logprobs":
@@ -100,6 +117,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,
             max_model_len: int) -> PreparedRequest:
     prompts = prompt_token_lists(req, tokenizer)
+    _check_vocab_fields(req, tokenizer.vocab_size)
     params = sampling_params(req, max(len(p) for p in prompts), max_model_len)
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
     return PreparedRequest(kind, req.model, prompts, params, req.stream, req.include_usage)

@@ -1,46 +1,78 @@
-"""OpenAI request bodies: parsed strictly (a string where a number belongs is a 400, not a coercion).
+"""OpenAI request bodies with the range of every field: parsed strictly, nothing coerced, nothing unknown.
 
-Shared by the router (which validates before it routes) and the scheduler (which validates again:
-it may be reached directly). Unknown fields are ignored, as OpenAI's own clients send extras.
+Shared by the router (which validates before it routes) and the scheduler (which validates again: it
+may be reached directly). Every number has a range, so nothing a client sends can overflow a hash, a
+msgpack frame or a sampler; lists have lengths, so one request cannot queue unbounded work. Fields
+OpenAI defines that this server cannot honour are refused by name (services.openai_api.body), and
+unknown fields are refused too: a client asking for something must never silently get something else.
+The same models generate `/openapi.json`.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from services.openai_api.errors import APIError, validation_error
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Ids are checked against the tokenizer's vocabulary later; this bound keeps them within 32 bits first.
+TOKEN_ID_LIMIT = 2**31
+MAX_PROMPTS = 1024  # prompts in one completions request (vLLM's limit)
+MAX_SEQUENCES = 1024  # n x prompts: sequences one request may queue
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 4096
+MAX_NAME_CHARS = 256  # model, user, cache_salt, message names
 
-Number = StrictInt | StrictFloat
-TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=4 * 1024 * 1024)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
+class _Strict(BaseModel):
+    # strict: "1" is not a number and 1.0 not an integer; forbid: unknown fields are a 400 naming them.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
-    model: StrictStr
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None  # vLLM extension
-    n: StrictInt = 1
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
-    stream: StrictBool = False
+
+class _SamplingFields(_Strict):
+    model: Name
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None  # vLLM extension; -1 or 0: off
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False  # vLLM extension
+    skip_special_tokens: bool = True  # vLLM extension
+    seed: Int64 | None = None
+    stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    user: StrictStr | None = None
+    ignore_eos: bool = False  # vLLM extension
+    min_tokens: Count = 0  # vLLM extension
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
+    logit_bias: dict[str, Finite] | None = None
+    user: Name | None = None
+    # Prefix-cache isolation (vLLM's field): blocks of different salts never match.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+    # OpenAI fields with no effect here, accepted at their inert values only (body.reject_unsupported).
+    metadata: dict[Name, Annotated[str, Field(max_length=512)]] | None = None
+    store: bool | None = None
+    service_tier: Name | None = None
     # Internal: the prompt the router already tokenized (chat template applied), so it is done once.
     prompt_token_ids: TokenIds | None = None
 
@@ -50,23 +82,26 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
-    text: StrictStr
+    text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
+    # Tool calls belong to tool use, which this server refuses; named so the refusal is precise.
+    tool_calls: list[Any] | None = None
+    tool_call_id: Name | None = None
 
     def as_template_dict(self) -> dict:
         if isinstance(self.content, list):
@@ -77,54 +112,24 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
-
-
-async def read_json_body(request: Request, max_bytes: int) -> dict:
-    """The request body as a JSON object, refusing oversized bodies without reading them whole."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body of {int(declared)} bytes exceeds the limit of {max_bytes} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body
-
-
-def parse_request(model_cls: type[_SamplingFields], body: dict) -> _SamplingFields:
-    try:
-        req = model_cls.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    _reject_unsupported(req)
-    return req
-
-
-def _reject_unsupported(req: _SamplingFields) -> None:
-    """Fields we parse but cannot honour: a clear 400 beats silently ignoring them."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise APIError(400, f"{name} is not supported by this server", name)
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise APIError(400, "echo is not supported by this server", "echo")
-        if req.suffix:
-            raise APIError(400, "suffix is not supported by this server", "suffix")
-        if isinstance(req.prompt, list) and len(req.prompt) == 0:
-            raise APIError(400, "prompt must not be empty", "prompt")
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: Annotated[list[Name], Field(max_length=8)] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: Name | None = None
+    web_search_options: dict[str, Any] | None = None

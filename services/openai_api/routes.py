@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from services.openai_api.errors import APIError, install_error_handlers
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def models_body(models: list[tuple[str, int]], created: int = 0) -> dict:
@@ -23,10 +24,45 @@ def check_model(requested: str, served: str) -> None:
 
 
 def bare_app(lifespan=None) -> FastAPI:
-    """A FastAPI app without docs routes and with OpenAI-style errors for everything."""
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    """A FastAPI app with OpenAI-style errors for everything and its schema at /openapi.json (no docs UI)."""
+    app = FastAPI(title="pagedserve", version=_version(), docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan)
     install_error_handlers(app)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:
+        return "0"
+
+
+_REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document of the routes, with the request bodies our handlers parse themselves (they take
+    the raw request, so FastAPI cannot see them): every field, its type and its range."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _REQUEST_MODELS.items():
+            op = doc.get("paths", {}).get(path, {}).get("post")
+            if op is None:
+                continue
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def add_openai_routes(app: FastAPI, handler, models: Callable[[Request], Awaitable[dict]],

@@ -57,13 +57,36 @@ class ReplicaState:
     load: ReplicaLoad
     matched_blocks: int = 0  # leading blocks of the prompt at hand that it caches (or has claimed)
 
-    def to_json(self) -> str:
-        return json.dumps({"info": asdict(self.info), "load": asdict(self.load)}, separators=(",", ":"))
+    def to_json(self, signer: Signer | None = None) -> str:
+        """The record as stored; with a signer (the internal token) it carries an HMAC of its content."""
+        d: dict = {"info": asdict(self.info), "load": asdict(self.load)}
+        if signer is not None:
+            d["sig"] = signer.sign(_canonical(d))
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes, matched_blocks: int = 0) -> ReplicaState:
+    def from_json(cls, text: str | bytes, matched_blocks: int = 0, signer: Signer | None = None) -> ReplicaState:
+        """Raises UntrustedRecord when a signer is given and the record's signature does not verify."""
         d = json.loads(text)
+        if signer is not None and not signer.verify(_canonical({"info": d["info"], "load": d["load"]}),
+                                                    d.get("sig")):
+            raise UntrustedRecord(f"registry record of {d.get('info', {}).get('replica_id')!r} is not signed "
+                                  "with this cluster's internal token")
         return cls(ReplicaInfo(**d["info"]), ReplicaLoad(**d["load"]), matched_blocks)
+
+
+class UntrustedRecord(ValueError):
+    """A registry record nobody holding the internal token wrote: routers ignore it."""
+
+
+class Signer(Protocol):
+    def sign(self, payload: bytes) -> str: ...
+
+    def verify(self, payload: bytes, signature: str | None) -> bool: ...
+
+
+def _canonical(d: dict) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass(slots=True)

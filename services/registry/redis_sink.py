@@ -6,10 +6,10 @@ resync everything once Redis is back), so nothing here hides an error.
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from services.registry import keys
-from services.registry.model import BlockDelta, ReplicaState
+from services.registry.model import BlockDelta, ReplicaState, Signer
 
 _CHUNK = 2000  # hashes per SADD/SREM: keeps single commands small
 
@@ -28,9 +28,15 @@ def redacted(redis_url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
-def connect(redis_url: str) -> Redis:
-    """A client with short timeouts: a dead Redis must cost a routing decision milliseconds, not seconds."""
-    return Redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=5)
+def connect(redis_url: str, max_connections: int = 128) -> Redis:
+    """A client with short timeouts: a dead Redis must cost a routing decision milliseconds, not seconds.
+
+    A blocking pool: a burst of requests waits (briefly) for a connection instead of failing with "too
+    many connections", which would make a router treat a healthy Redis as down.
+    """
+    pool = BlockingConnectionPool.from_url(redis_url, max_connections=max_connections, timeout=0.5,
+                                           socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=5)
+    return Redis.from_pool(pool)  # the client owns the pool: closing it closes the connections
 
 
 def _chunks(values: list[str]):
@@ -39,14 +45,15 @@ def _chunks(values: list[str]):
 
 
 class RedisSink:
-    def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE):
+    def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE, signer: Signer | None = None):
         self.client = client
         self.ns = namespace
+        self.signer = signer  # the internal token: records are signed so routers can trust them
 
     async def write_state(self, state: ReplicaState, ttl: float) -> None:
         rid = state.info.replica_id
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.replica_key(self.ns, rid), state.to_json(), px=int(ttl * 1000))
+        pipe.set(keys.replica_key(self.ns, rid), state.to_json(self.signer), px=int(ttl * 1000))
         pipe.sadd(keys.replicas_key(self.ns), rid)
         # The block set outlives a dead replica only as long as its record would have.
         pipe.pexpire(keys.blocks_key(self.ns, rid), int(ttl * 1000) * 10)

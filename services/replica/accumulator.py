@@ -35,12 +35,13 @@ class ResponseAccumulator:
         self.choices = [_Choice() for _ in range(n * len(prompt_lens))]
         self.cached = [0] * len(prompt_lens)
         self.error: str | None = None
+        self.error_kind: str | None = None  # "request" (this request's own failure) or "engine"
 
     def update(self, prompt_idx: int, out: RequestOutput) -> list[dict]:
         """Absorb a cumulative output; return the stream-chunk choices it adds."""
         self.cached[prompt_idx] = out.num_cached_tokens
         if out.error and not self.error:
-            self.error = out.error
+            self.error, self.error_kind = out.error, out.error_kind
         deltas = []
         for o in out.outputs:
             c = self.choices[prompt_idx * self.n + o.index]

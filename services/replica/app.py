@@ -22,6 +22,7 @@ def create_replica_app(serving: OpenAIServing, metrics: SchedulerMetrics,
     cfg = serving.config
 
     async def models(request: Request) -> dict:
+        serving.check_caller(request)
         return models_body([(cfg.model_name, cfg.max_model_len)])
 
     add_openai_routes(app, serving, models, metrics.render)

@@ -42,12 +42,15 @@ class Replica:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         async for out in self.loop.generate(request_id, prompt_token_ids, params):
-            if out.error:
+            if out.error and out.error_kind == "engine":
                 self.mark_unhealthy(out.error)
             yield out
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
+
+    def admit(self, num_seqs: int):
+        return self.loop.admit(num_seqs)
 
     # -- the registry publisher's source -----------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -70,9 +73,7 @@ class Replica:
 
     async def supervise(self) -> None:
         """Probe the engine (when idle, or while unhealthy) and bring the replica back when it answers."""
-        probe = getattr(self.executor, "probe", None)
-        if probe is None:
-            return  # in-process engines live and die with this process
+        probe = self.executor.probe
         while True:
             await asyncio.sleep(PROBE_INTERVAL if self.healthy else RECOVERY_INTERVAL)
             if self.healthy and self.core.has_unfinished():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from services.internal_auth import InternalToken
 from services.registry.model import RegistrySink, ReplicaInfo
 from services.registry.publisher import ReplicaPublisher
 from services.replica.app import create_replica_app
@@ -27,6 +28,8 @@ class ReplicaSettings:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    max_waiting: int | None = None  # None: services.scheduler.async_scheduler.default_max_waiting
+    internal_token: InternalToken | None = None  # required of callers, and signs registry records
 
 
 @dataclass
@@ -55,14 +58,17 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
                       max_num_batched_tokens=settings.max_num_batched_tokens,
                       enable_prefix_caching=settings.enable_prefix_caching, max_model_len=settings.max_model_len,
                       collect_kv_events=True)
-    replica = Replica(core, AsyncScheduler(core), executor)
+    replica = Replica(core, AsyncScheduler(core, max_waiting=settings.max_waiting), executor)
     model_name = settings.served_model_name or core.info.model_id
     metrics = SchedulerMetrics(replica.stats)
-    serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes),
-                            metrics)
+    serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes,
+                                                              settings.internal_token), metrics)
 
     def health() -> dict:
-        return {"healthy": replica.healthy, "model": model_name, "error": replica.last_error}
+        stats = replica.stats()
+        return {"healthy": replica.healthy, "model": model_name, "error": replica.last_error,
+                "kv_blocks_in_use": round(stats.kv_usage * stats.num_kv_blocks),
+                "requests": stats.num_waiting + stats.num_running}
 
     app = create_replica_app(serving, metrics, health)
     return ReplicaService(replica, app, model_name, core.max_model_len, metrics)

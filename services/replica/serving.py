@@ -17,17 +17,22 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.internal_auth import HEADER, InternalToken
+from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import PreparedRequest, prepare_async
-from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.routes import check_model
 from services.openai_api.streams import ClientGone, merge, until_disconnect
 from services.replica.accumulator import ResponseAccumulator
 from services.replica.metrics import RequestTimer, SchedulerMetrics
 from services.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduler.async_scheduler import Admission, QueueFullError
 from services.scheduler.request_output import RequestOutput
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
 
 
 class ReplicaBackend(Protocol):
@@ -38,20 +43,29 @@ class ReplicaBackend(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def admit(self, num_seqs: int) -> Admission:
+        """Room in the replica's bounded queue for one request's sequences; raises QueueFullError."""
+        ...
+
 
 @dataclass
 class ServingConfig:
     model_name: str
     max_model_len: int
     max_body_bytes: int = 4 * 1024 * 1024
+    internal_token: InternalToken | None = None  # when set, only callers presenting it are served
 
 
 def sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
-def engine_error(message: str) -> APIError:
-    return APIError(503, f"the engine failed while serving this request: {message}", code="engine_error")
+def engine_error(acc: ResponseAccumulator) -> APIError:
+    """An engine-wide failure is a 503 (another replica may serve it: the router retries); a failure
+    this request caused alone is a 500 that nobody retries, so a poison request cannot spread."""
+    if acc.error_kind == "request":
+        return APIError(500, acc.error, code="request_failed")
+    return APIError(503, f"the engine failed while serving this request: {acc.error}", code="engine_error")
 
 
 class OpenAIServing:
@@ -71,30 +85,46 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def check_caller(self, request: Request) -> None:
+        """A replica behind routers serves only them: with API keys on the router, its port is no way around."""
+        token = self.config.internal_token
+        if token is not None and not token.accepts(request.headers.get(HEADER)):
+            raise APIError(401, "this replica serves its routers only (missing or wrong internal token)",
+                           code="invalid_internal_token")
+
     async def _serve(self, request: Request, model_cls, id_prefix: str) -> Response:
+        self.check_caller(request)
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)
         prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
         if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
+        try:
+            admission = self.backend.admit(prepared.params.n * len(prepared.prompts))
+        except QueueFullError as exc:
+            raise APIError(503, f"this replica's queue is full: {exc}", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         request_id = id_prefix + uuid.uuid4().hex
         acc = ResponseAccumulator(prepared.kind, request_id, prepared.model, prepared.params.n,
                                   [len(p) for p in prepared.prompts], self.token_text,
                                   prepared.params.logprobs is not None, prepared.include_usage)
-        run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics))
+        run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics), admission)
         try:
             if prepared.stream:
-                return await self._stream(request, run, acc)
-            return await self._whole(request, run, acc)
+                return await self._stream(request, run, acc)  # the stream closes the run when it ends
+            try:
+                return await self._whole(request, run, acc)
+            finally:
+                run.close()
         except ClientGone:
-            run.abort()
+            run.close()
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         except InvalidRequestError as exc:
-            run.abort()
+            run.close()
             raise APIError.from_invalid(exc) from None
         except BaseException:
-            run.abort()
+            run.close()
             raise
 
     async def _whole(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
@@ -106,7 +136,7 @@ class OpenAIServing:
         await until_disconnect(collect(), request)
         run.timer.finished()
         if acc.error:
-            raise engine_error(acc.error)
+            raise engine_error(acc)
         return JSONResponse(acc.response())
 
     async def _stream(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
@@ -115,7 +145,7 @@ class OpenAIServing:
         first = await until_disconnect(anext(outputs), request)
         first_choices = acc.update(*first)
         if acc.error:
-            raise engine_error(acc.error)
+            raise engine_error(acc)
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -126,7 +156,7 @@ class OpenAIServing:
                     run.timer.tokens_now(max(len(c.token_ids) for c in acc.choices))
                     if acc.error:
                         log.warning("request %s failed mid-stream: %s", acc.request_id, acc.error)
-                        yield sse(engine_error(acc.error).body())
+                        yield sse(engine_error(acc).body())
                         return
                     if choices:
                         yield sse(acc.chunk(choices))
@@ -135,7 +165,7 @@ class OpenAIServing:
                     yield sse(acc.usage_chunk())
                 yield "data: [DONE]\n\n"
             finally:
-                run.abort()  # no-op for finished requests; frees the blocks of a client that left
+                run.close()  # aborts what is unfinished (a client that left) and frees its queue room
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -144,10 +174,12 @@ class OpenAIServing:
 class _Run:
     """The engine requests behind one HTTP request (one per prompt)."""
 
-    def __init__(self, backend: ReplicaBackend, prepared: PreparedRequest, request_id: str, timer: RequestTimer):
+    def __init__(self, backend: ReplicaBackend, prepared: PreparedRequest, request_id: str, timer: RequestTimer,
+                 admission: Admission):
         self.backend = backend
         self.prepared = prepared
         self.timer = timer
+        self.admission = admission
         self.ids = [request_id] if len(prepared.prompts) == 1 else [
             f"{request_id}-{i}" for i in range(len(prepared.prompts))]
         self.done: set[str] = set()
@@ -160,9 +192,11 @@ class _Run:
                 self.done.add(self.ids[idx])
             yield idx, out
 
-    def abort(self) -> None:
+    def close(self) -> None:
+        """End of the HTTP request: abort the engine requests still running, give back the queue room."""
         for rid in self.ids:
             if rid not in self.done:
                 self.backend.abort(rid)
                 self.done.add(rid)
+        self.admission.release()
 

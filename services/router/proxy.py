@@ -1,9 +1,10 @@
 """Forwarding one request to a ranked list of replicas, and relaying the answer as it streams.
 
-A replica that fails before its first byte (connection refused or reset, a 5xx) is skipped and the
-next one tried; after the first byte the answer is committed, and a broken stream ends with an SSE
-error event rather than a silent hang. Closing the upstream response when the client leaves makes the
-scheduler see the disconnect and free the request's KV blocks.
+A replica that fails before its first byte (connection refused or reset, a 502/503/504) is skipped and
+the next one tried (never for a 500: the request itself failed there); after the first byte the answer
+is committed, and a broken stream ends with an SSE error event rather than a silent hang. Closing the
+upstream response when the client leaves makes the scheduler see the disconnect and free the request's
+KV blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from services.internal_auth import HEADER, InternalToken
 from services.openai_api.errors import APIError, error_body
 from services.openai_api.streams import ClientGone, until_disconnect
 from services.registry.model import ReplicaState
@@ -24,13 +26,18 @@ from services.router.upstream import UpstreamError, UpstreamPool, UpstreamRespon
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+# A replica that is down, restarting or full answers these; another replica may serve the request. A
+# 500 means the request itself failed there (the scheduler isolates such failures): retrying it
+# elsewhere would only spread a poison request, so it is relayed as it is.
+RETRYABLE = frozenset({502, 503, 504})
 REPLICA_HEADER = "x-pagedserve-replica"
 
 
 class Proxy:
     def __init__(self, timeout: float, metrics: RouterMetrics, on_start: Callable[[str], None],
-                 on_done: Callable[[str], None]):
-        self.pool = UpstreamPool(connect_timeout=2.0, read_timeout=timeout)
+                 on_done: Callable[[str], None], internal_token: InternalToken | None = None):
+        headers = {HEADER: internal_token.value} if internal_token is not None else None
+        self.pool = UpstreamPool(connect_timeout=2.0, read_timeout=timeout, extra_headers=headers)
         self.metrics = metrics
         self.on_start = on_start  # in-flight bookkeeping of the replica view
         self.on_done = on_done
@@ -40,6 +47,7 @@ class Proxy:
 
     async def forward(self, request: Request, ranked: list[ReplicaState], path: str, body: bytes) -> Response:
         last_error = "no replica available"
+        attempts = full = 0
         for attempt, replica in enumerate(ranked[:MAX_ATTEMPTS]):
             rid = replica.info.replica_id
             if attempt:
@@ -56,8 +64,10 @@ class Proxy:
                 last_error = f"replica {rid}: {type(exc).__name__}: {exc}"
                 log.warning("upstream attempt %d failed, %s", attempt + 1, last_error)
                 continue
-            if resp.status >= 500:
+            attempts += 1
+            if resp.status in RETRYABLE:
                 detail = await self._error_detail(resp)
+                full += resp.status == 503 and '"queue_full"' in detail
                 self.on_done(rid)
                 self.metrics.upstream_errors.inc()
                 last_error = f"replica {rid}: HTTP {resp.status}: {detail}"
@@ -82,6 +92,10 @@ class Proxy:
                 await resp.close()
                 self.on_done(rid)
             return Response(content, status_code=resp.status, headers=headers, media_type=media_type)
+        if attempts and full == attempts:
+            # Every replica tried is at its queue bound: the client should slow down, not treat it as an outage.
+            raise APIError(429, f"every replica tried is at its queue limit ({last_error})", code="queue_full",
+                           headers={"Retry-After": "1"})
         raise APIError(503, f"no replica could serve the request ({last_error})", code="upstream_unavailable",
                        headers={"Retry-After": "1"})
 

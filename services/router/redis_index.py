@@ -8,10 +8,14 @@ not declare, which standalone Redis allows (Redis Cluster would not; the registr
 
 from __future__ import annotations
 
+import logging
+
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.model import ReplicaState
+from services.registry.model import ReplicaState, Signer, UntrustedRecord
+
+log = logging.getLogger(__name__)
 
 # Enough for a 64k-token prompt at block size 16; Lua's unpack() has a stack limit near 8000.
 MAX_HASHES = 4096
@@ -63,16 +67,27 @@ return 1
 
 
 class RedisIndex:
-    def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE):
+    def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE, signer: Signer | None = None):
         self.client = client
         self.ns = namespace
+        self.signer = signer  # with the internal token, records it cannot verify are ignored
+        self._warned: set[str] = set()
         self._snapshot = client.register_script(_SNAPSHOT)
         self._claim = client.register_script(_CLAIM)
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
         args = [self.ns, *(str(h) for h in block_hashes[:MAX_HASHES])]
         flat = await self._snapshot(keys=[], args=args)
-        return [ReplicaState.from_json(flat[i + 1], int(flat[i + 2])) for i in range(0, len(flat), 3)]
+        states = []
+        for i in range(0, len(flat), 3):
+            try:
+                states.append(ReplicaState.from_json(flat[i + 1], int(flat[i + 2]), self.signer))
+            except (UntrustedRecord, ValueError, KeyError, TypeError) as exc:
+                rid = flat[i].decode(errors="replace") if isinstance(flat[i], bytes) else str(flat[i])
+                if rid not in self._warned and len(self._warned) < 1024:  # a forger must not flood the log
+                    self._warned.add(rid)
+                    log.warning("ignoring registry record %r: %s", rid, exc)
+        return states
 
     async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
         if block_hashes:

@@ -7,6 +7,7 @@ replica anything, and it forwards the token ids it computed, so the scheduler do
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import Response
 
-from services.block_hash import hash_blocks
+from services.block_hash import hash_blocks, salted_seed
+from services.internal_auth import InternalToken
+from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
-from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest, parse_request, read_json_body
+from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
@@ -37,14 +40,23 @@ class RouterConfig:
     it learns from the replicas' registry records."""
 
     policy: str = "prefix"
+    cache_isolation: str = "shared"  # or "per-key": each API key gets its own prefix cache (a salt)
     max_queue: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 600.0
 
 
+def key_salt(api_key: bytes, client_salt: str | None) -> str:
+    """A cache salt per API key that does not reveal the key (it travels to schedulers in the body)."""
+    tag = hashlib.sha256(b"pagedserve-cache-salt:" + api_key).hexdigest()[:32]
+    return f"key:{tag}" if not client_salt else f"key:{tag}/{client_salt}"
+
+
 class RouterService:
     def __init__(self, config: RouterConfig, tokenizer, index: PrefixIndex, api_keys: ApiKeys,
-                 replica_filter: ReplicaFilter | None = None):
+                 replica_filter: ReplicaFilter | None = None, internal_token: InternalToken | None = None):
+        if config.cache_isolation == "per-key" and not api_keys.enabled:
+            raise ValueError("--cache-isolation per-key needs API keys (--api-keys-file): keys are the tenants")
         self.config = config
         self.tokenizer = tokenizer
         self.keys = api_keys
@@ -52,7 +64,7 @@ class RouterService:
         self.policy = make_policy(config.policy)
         self.view = ReplicaView(index, self.metrics, replica_filter)
         self.admission = Admission(config.max_queue, self.metrics)
-        self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done)
+        self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
 
     async def completions(self, request: Request) -> Response:
@@ -73,15 +85,19 @@ class RouterService:
             raise
 
     async def _route(self, request: Request, model_cls, path: str) -> Response:
-        self.keys.check(request.headers.get("authorization"))
+        key = self.keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
+        if self.config.cache_isolation == "per-key" and key is not None:
+            # The key's own salt, before any the client chose: one key can never match another's blocks.
+            req.cache_salt = body["cache_salt"] = key_salt(key, req.cache_salt)
         identity, max_model_len = await self.view.identity(req.model)
         prepared = await prepare_async(req, self.tokenizer, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
-        route = RouteRequest(hash_blocks(ids, identity.block_size, identity.hash_seed), len(ids),
+        root = salted_seed(identity.hash_seed, req.cache_salt)
+        route = RouteRequest(hash_blocks(ids, identity.block_size, root), len(ids),
                              identity.block_size, request.headers.get(SESSION_HEADER))
         ranked = await self.admission.admit(lambda: self._pick(identity, route), self.config.request_timeout)
         chosen = ranked[0]

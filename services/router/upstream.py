@@ -78,9 +78,12 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout: float = 2.0, read_timeout: float = 600.0):
+    def __init__(self, connect_timeout: float = 2.0, read_timeout: float = 600.0,
+                 extra_headers: dict[str, str] | None = None):
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        # Sent with every request (the internal token); values are ours, never a client's.
+        self._extra = "".join(f"{k}: {v}\r\n" for k, v in (extra_headers or {}).items())
         self._idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = \
             defaultdict(list)
 
@@ -88,7 +91,8 @@ class UpstreamPool:
         parts = urlsplit(base_url)
         key = (parts.hostname or "127.0.0.1", parts.port or 80)
         request = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n"
-                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{self._extra}\r\n"
+                   ).encode() + body
         pooled = self._take(key)
         if pooled is not None:
             try:

@@ -22,9 +22,37 @@ from services.scheduler.request_output import RequestOutput, SchedulerStats
 log = logging.getLogger(__name__)
 
 
+class QueueFullError(RuntimeError):
+    """This replica already holds as many sequences as it may queue; another replica may have room."""
+
+
+def default_max_waiting(core: SchedulerCore) -> int:
+    """Sequences a replica queues beyond its running batch: twice the batch, or more for a big KV cache
+    (one sequence per 512 tokens of it), so the router's own queue, which can still pick whichever
+    replica frees up first, fills before any replica's does."""
+    capacity_tokens = core.info.num_kv_blocks * core.info.block_size
+    return max(2 * core.scheduler.config.max_num_seqs, capacity_tokens // 512)
+
+
+class Admission:
+    """The sequences one HTTP request holds in this replica's bounded queue, until it ends."""
+
+    def __init__(self, owner: AsyncScheduler, num_seqs: int):
+        self._owner, self.num_seqs = owner, num_seqs
+
+    def release(self) -> None:
+        if self._owner is not None:
+            self._owner._admitted -= self.num_seqs
+            self._owner = None
+
+
 class AsyncScheduler:
-    def __init__(self, core: SchedulerCore, idle_wait: float = 0.5):
+    def __init__(self, core: SchedulerCore, idle_wait: float = 0.5, max_waiting: int | None = None):
         self.core = core
+        self.max_waiting = max_waiting if max_waiting is not None else default_max_waiting(core)
+        # Counted on the event loop's thread at admission, so a burst cannot overshoot between two steps.
+        self.max_in_flight = core.scheduler.config.max_num_seqs + self.max_waiting
+        self._admitted = 0
         self._ops: deque[tuple] = deque()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -36,6 +64,19 @@ class AsyncScheduler:
         self._thread.start()
 
     # -- client side (event loop thread) ----------------------------------------------------
+    def admit(self, num_seqs: int) -> Admission:
+        """Hold room for `num_seqs` sequences (released by the caller when the request ends), or raise
+        QueueFullError: memory and queueing delay stay bounded whatever arrives."""
+        if self._admitted + num_seqs > self.max_in_flight:
+            raise QueueFullError(f"{self._admitted} sequences are in flight here and {num_seqs} more would "
+                                 f"exceed the limit of {self.max_in_flight} (--max-waiting {self.max_waiting})")
+        self._admitted += num_seqs
+        return Admission(self, num_seqs)
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:

@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from services.block_hash import model_hash_seed
+from services.block_hash import model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.block_pool import BlockPool, KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
@@ -20,7 +20,14 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request_output import CompletionOutput, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
-from services.step_protocol import ModelRunnerOutput, SchedulerOutput
+from services.scheduler.step_isolation import execute_isolating
+from services.step_protocol import (
+    EngineUnavailableError,
+    ModelRunnerOutput,
+    SamplingSpec,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +41,14 @@ class _Group:
     params: SamplingParams
     seqs: list[Sequence | None]
     stream: bool
+    error: str | None = None  # why it failed, when the engine failed under this request alone
 
     @property
     def finished(self) -> bool:
-        return all(s is not None and s.is_finished for s in self.seqs)
+        # A request that ended early (failed, aborted) before its n samples forked has no more to come.
+        ended = [s for s in self.seqs if s is not None]
+        return all(s.is_finished for s in ended) and (len(ended) == len(self.seqs) or ended[0].status in (
+            SequenceStatus.FINISHED_ERROR, SequenceStatus.FINISHED_ABORTED))
 
 
 class SchedulerCore:
@@ -81,6 +92,11 @@ class SchedulerCore:
         usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
         if n + 1 > usable:
             raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
+        if params.top_k > vocab:
+            raise InvalidRequestError("top_k", f"{params.top_k} exceeds the vocabulary size {vocab}")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise InvalidRequestError("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool = False, validated: bool = False) -> None:
@@ -90,6 +106,12 @@ class SchedulerCore:
         if not validated:
             self.validate(prompt_token_ids, params)
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
+        if params.cache_salt:
+            req.hash_root = salted_seed(self.hash_seed, params.cache_salt)
+        if params.min_tokens:
+            # Masked out of sampling until min_tokens are out, so the request cannot end early at all.
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            req.min_tokens_banned = sorted(ends)
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
         if stream or params.stop_strings:
             self._attach_detokenizer(req)
@@ -100,7 +122,7 @@ class SchedulerCore:
     def _attach_detokenizer(self, req: Sequence, replay: bool = True) -> None:
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer.fast, req.token_ids[:req.num_prompt_tokens], req.params.stop_strings,
-            req.params.include_stop_str_in_output, req.params.skip_special_tokens)
+            req.params.include_stop_str_in_output, req.params.skip_special_tokens, req.params.min_tokens)
         if replay:
             for t in req.output_token_ids:
                 req.detokenizer.add(t)
@@ -122,7 +144,7 @@ class SchedulerCore:
                 if seq is not None:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
             out = self._make_output(group)
-            out.error = message
+            out.error, out.error_kind = message, "engine"
             outs.append(out)
         self.groups.clear()
         self.pool.reset_cache()  # the engine's KV tensors may be gone with it
@@ -141,8 +163,12 @@ class SchedulerCore:
             changed[req.request_id] = self.groups[req.request_id]
         sched.rejected.clear()
         if out.sequences:
-            result = self.executor.execute(out)
-            self._apply(result, changed)
+            # A failure tied to some sequences fails only their requests; EngineUnavailableError (the
+            # engine itself is gone) propagates, and the caller fails everything.
+            step = execute_isolating(self.executor, out, self._canary_ok)
+            for seq_id, why in step.failed.items():
+                self._fail_request_of(seq_id, why, changed)
+            self._apply(step.result, changed)
         outputs = []
         for rid, group in changed.items():
             if group.finished:
@@ -152,11 +178,40 @@ class SchedulerCore:
                 outputs.append(self._make_output(group))
         return outputs
 
+    def _canary_ok(self) -> bool:
+        """Does the engine still compute? One token in a spare block, greedy: a step nothing can be wrong with."""
+        if self.pool.num_free == 0:
+            return True  # no spare block to try with: blame the requests, which fail either way
+        block = self.pool.allocate()
+        canary = ScheduledSequence(seq_id="pagedserve-canary", token_ids=[0], start_pos=0,
+                                   block_table=[block.block_id], sample=True, sampling=SamplingSpec())
+        try:
+            self.executor.execute(SchedulerOutput(step_id=-1, sequences=[canary]))
+            return True
+        except EngineUnavailableError:
+            raise
+        except Exception as exc:
+            log.error("the engine fails a canary step too (%s: %s): the engine is broken", type(exc).__name__, exc)
+            return False
+        finally:
+            self.pool.free(block)  # never hashed: back to the free end of the queue
+
+    def _fail_request_of(self, seq_id: str, why: str, changed: dict[str, _Group]) -> None:
+        seq = next(s for s, _ in self.scheduler.last_scheduled if s.seq_id == seq_id)
+        group = self.groups[seq.request_id]
+        for s in group.seqs:
+            if s is not None:
+                self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
+        group.error = f"the engine failed on this request: {why}"
+        changed[group.request_id] = group
+
     def _apply(self, result: ModelRunnerOutput, changed: dict[str, _Group]) -> None:
         sched = self.scheduler
         sampled = result.sampled
         logprobs = result.logprobs
         for req, n in sched.last_scheduled:
+            if req.is_finished:
+                continue  # its request failed in this step; its blocks are already back in the pool
             req.num_computed_tokens += n
             self.kv.commit(req)
             tokens = sampled.get(req.seq_id)
@@ -205,11 +260,12 @@ class SchedulerCore:
         outs = []
         cached = 0
         for i, seq in enumerate(group.seqs):
-            if seq is None:
-                outs.append(CompletionOutput(i, "", []))
+            if seq is None:  # a sample that never forked: it ends with its request
+                outs.append(CompletionOutput(i, "", [], group.seqs[0].status.value if group.finished else None))
                 continue
             if seq.detokenizer is not None:
-                text = seq.detokenizer.text
+                # Unfinished: only what can no longer turn into a stop string, so streams stay exact.
+                text = seq.detokenizer.text if seq.is_finished else seq.detokenizer.visible
             elif seq.is_finished:
                 text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
             else:
@@ -217,7 +273,10 @@ class SchedulerCore:
             reason = seq.status.value if seq.is_finished else None
             outs.append(CompletionOutput(i, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs))
             cached = max(cached, seq.num_cached_tokens)
-        return RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
+        out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
+        if group.error is not None:
+            out.error, out.error_kind = group.error, "request"
+        return out
 
     def stats(self) -> SchedulerStats:
         sched = self.scheduler

@@ -12,7 +12,14 @@ from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutpu
 
 
 class Executor(Protocol):
+    url: str  # where the engine is, for messages
+    instance: str | None  # the engine instance this scheduler's state belongs to (set by handshake)
+
     def handshake(self) -> EngineInfo: ...
+
+    def probe(self, timeout: float = 1.0) -> str | None:
+        """The instance id of the engine answering now, or None if none answers."""
+        ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -24,10 +31,20 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """Calls a ModelRunner living in this process (offline API, `pagedserve serve`)."""
+    """Calls a ModelRunner living in this process (offline API, `pagedserve serve`).
+
+    It answers probes like a remote engine that never restarts, so a replica marked unhealthy after an
+    engine-wide failure probes it and serves again within a probe interval, as with a remote engine.
+    """
+
+    url = "in-process"
+    instance = "in-process"
 
     def __init__(self, runner):
         self.runner = runner
+
+    def probe(self, timeout: float = 1.0) -> str:
+        return self.instance
 
     def handshake(self) -> EngineInfo:
         return self.runner.info

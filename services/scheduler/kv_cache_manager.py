@@ -27,7 +27,8 @@ class KVCacheManager:
     # -- hashing ----------------------------------------------------------------------------
     def _extend_hashes(self, req: Sequence, upto_tokens: int) -> None:
         hashes = req.block_hashes
-        hashes += hash_blocks(req.token_ids, self.block_size, self.hash_seed, start_block=len(hashes),
+        root = self.hash_seed if req.hash_root is None else req.hash_root
+        hashes += hash_blocks(req.token_ids, self.block_size, root, start_block=len(hashes),
                               parent_hash=hashes[-1] if hashes else None, num_blocks=upto_tokens // self.block_size)
 
     # -- admission --------------------------------------------------------------------------

@@ -25,6 +25,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the engine failed under this request
+    # "request": the failure was this request's alone (not retried elsewhere, the replica stays healthy);
+    # "engine": the engine failed under every request in flight.
+    error_kind: str | None = None
 
 
 @dataclass

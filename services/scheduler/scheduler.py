@@ -157,6 +157,7 @@ class Scheduler:
             num_samples=req.params.n if (sample and not req.forked) else 1,
             sample_index=req.sample_index,
             output_index=req.num_output_tokens,
+            banned_token_ids=req.min_tokens_banned if sample and req.num_output_tokens < req.params.min_tokens else [],
         )
 
     def _blocks_in_flight(self) -> set[int]:

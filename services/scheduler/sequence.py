@@ -40,7 +40,8 @@ class Sequence:
 
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
-                 "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals")
+                 "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
+                 "hash_root")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -48,7 +49,7 @@ class Sequence:
         self.sample_index = sample_index
         self.seq_id = request_id if sample_index == 0 else f"{request_id}#{sample_index}"
         self.params = params
-        self.spec = SamplingSpec(float(params.temperature), float(params.top_p), int(params.top_k),
+        self.spec = SamplingSpec(params.effective_temperature, float(params.top_p), int(params.top_k),
                                  params.seed, params.logprobs)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -63,6 +64,8 @@ class Sequence:
         self.detokenizer = None
         self.num_preemptions = 0
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
+        self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
+        self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +96,8 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
         child.forked = True
+        child.min_tokens_banned = self.min_tokens_banned
+        child.hash_root = self.hash_root
         child.status = SequenceStatus.RUNNING
         child.token_ids.append(first_token)
         return child

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import zmq
 
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.internal_auth import InternalToken
+from services.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput
 from services.transport.wire import WireReply, decode_request, encode_reply
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,15 @@ class StepRunner(Protocol):
 
 
 class EngineServer:
-    def __init__(self, runner: StepRunner, bind_url: str):
+    def __init__(self, runner: StepRunner, bind_url: str, token: InternalToken | None = None):
         self.runner = runner
-        self.instance = uuid.uuid4().hex  # changes on every engine start: clients detect restarts
+        # Changes on every engine start and every reset: the scheduler then knows its bookkeeping of what
+        # the KV cache holds is stale (a reset zeroes the cache as a restart empties it).
+        self.instance = uuid.uuid4().hex
+        self.token = token  # required of every message when set (an engine bound beyond loopback)
+        # Only the scheduler that last handshook may run steps or reset: anyone else reaching the port
+        # (another local process) can ask for health, nothing more.
+        self.owner: bytes | None = None
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -54,22 +61,35 @@ class EngineServer:
                 if not poller.poll(_POLL_MS):
                     continue
                 identity, data = self._sock.recv_multipart()[:2]
-                self._sock.send_multipart([identity, self._handle(data)])
+                self._sock.send_multipart([identity, self._handle(identity, data)])
         finally:
             self._sock.close(0)
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _handle(self, data: bytes) -> bytes:
+    def _handle(self, identity: bytes, data: bytes) -> bytes:
         try:
             req = decode_request(data)
         except Exception as exc:  # a garbled frame must not take the engine down
             log.warning("undecodable step-protocol message (%d bytes): %s", len(data), exc)
             return encode_reply(WireReply(id=-1, ok=False, instance=self.instance, error=f"bad message: {exc}"))
+        if self.token is not None and not self.token.accepts(req.auth):
+            log.warning("refused %r from a caller without this engine's token", req.op)
+            return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance,
+                                          error="unauthorized: missing or wrong internal token"))
+        if req.op in ("step", "reset") and identity != self.owner:
+            return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance, body={"not_owner": True},
+                                          error=f"{req.op!r} refused: only the scheduler that handshook may send it"))
+        if req.op == "handshake":
+            self.owner = identity
         try:
             body = self._dispatch(req.op, req.body)
             return encode_reply(WireReply(id=req.id, ok=True, instance=self.instance, body=body))
+        except InvalidStepError as exc:  # the scheduler fails just these sequences' requests
+            log.warning("refused step %d: %s", req.id, exc)
+            return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance, error=str(exc),
+                                          body={"bad_seq_ids": exc.seq_ids}))
         except Exception as exc:
             log.exception("engine op %r (request %d) failed", req.op, req.id)
             return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance,
@@ -86,5 +106,6 @@ class EngineServer:
             return {"healthy": True, "steps_served": self.steps_served}
         if op == "reset":
             self.runner.reset()
+            self.instance = uuid.uuid4().hex  # what the scheduler knew is cached is gone
             return None
         raise ValueError(f"unknown op {op!r}")

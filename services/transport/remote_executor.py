@@ -10,22 +10,26 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.internal_auth import InternalToken
+from services.step_protocol import (
+    EngineInfo,
+    EngineUnavailableError,
+    InvalidStepError,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from services.transport.wire import WireRequest, decode_reply, encode_request
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot be reached, went away mid-call, was restarted, or did not answer in time."""
 
 
 class EngineOpError(RuntimeError):
@@ -36,15 +40,19 @@ _INFO_FIELDS = {f.name for f in dataclasses.fields(EngineInfo)}
 
 
 class RemoteExecutor:
-    def __init__(self, url: str, timeout: float = 60.0):
+    def __init__(self, url: str, timeout: float = 60.0, token: InternalToken | None = None):
         self.url = url
         self.timeout = timeout
+        self._auth = token.value if token is not None else None
         self._lock = threading.Lock()  # ZeroMQ sockets are not thread-safe; health() may come from HTTP
         self._ids = itertools.count(1)
         self._instance: str | None = None
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A fixed identity, so the engine knows this scheduler across TCP reconnects (it only takes steps
+        # from the scheduler that handshook); a restarted scheduler is a new one and handshakes again.
+        self._sock.setsockopt(zmq.IDENTITY, os.urandom(16))
         # Queue nothing for a peer that is not connected: a send then fails at once instead of
         # sitting in a pipe for an engine that may never come.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -109,7 +117,7 @@ class RemoteExecutor:
             self._drain_monitor()  # disconnects from before this call are history, not this call's fate
             rid = next(self._ids)
             try:
-                self._sock.send(encode_request(WireRequest(id=rid, op=op, body=body)), zmq.NOBLOCK)
+                self._sock.send(encode_request(WireRequest(id=rid, op=op, body=body, auth=self._auth)), zmq.NOBLOCK)
             except zmq.Again:
                 raise EngineUnavailableError(f"engine at {self.url} is not connected") from None
             deadline = time.monotonic() + timeout
@@ -138,6 +146,12 @@ class RemoteExecutor:
         elif check_instance and self._instance is not None and reply.instance != self._instance:
             raise EngineUnavailableError(f"engine at {self.url} restarted; its KV cache is gone")
         if not reply.ok:
+            if isinstance(reply.body, dict) and reply.body.get("not_owner"):
+                # Another scheduler handshook since: this one's view of the engine is stale.
+                self._instance = None
+                raise EngineUnavailableError(f"engine at {self.url}: {reply.error}")
+            if isinstance(reply.body, dict) and reply.body.get("bad_seq_ids"):
+                raise InvalidStepError(f"engine refused the step: {reply.error}", reply.body["bad_seq_ids"])
             raise EngineOpError(f"engine {op!r} failed: {reply.error}")
         return reply.body
 

@@ -22,6 +22,7 @@ class WireRequest:
     id: int
     op: str
     body: Any = None
+    auth: str | None = None  # the internal token, when the engine requires one
 
 
 @dataclass(slots=True)
@@ -34,12 +35,14 @@ class WireReply:
 
 
 def encode_request(req: WireRequest) -> bytes:
-    return msgpack.packb({"id": req.id, "op": req.op, "body": req.body}, use_bin_type=True)
+    return msgpack.packb({"id": req.id, "op": req.op, "body": req.body, "auth": req.auth}, use_bin_type=True)
 
 
 def decode_request(data: bytes) -> WireRequest:
     d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return WireRequest(id=int(d["id"]), op=str(d["op"]), body=d.get("body"))
+    auth = d.get("auth")
+    return WireRequest(id=int(d["id"]), op=str(d["op"]), body=d.get("body"),
+                       auth=auth if isinstance(auth, str) else None)
 
 
 def encode_reply(rep: WireReply) -> bytes:

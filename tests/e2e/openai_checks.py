@@ -9,8 +9,8 @@ import openai
 LONG_SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one line. " * 8
 
 
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 def model_id(c: openai.OpenAI) -> str:
@@ -44,18 +44,34 @@ def check_chat_and_completions(c: openai.OpenAI) -> None:
 
 
 def check_stop_strings(c: openai.OpenAI) -> None:
+    """Stop strings of 3 to 12 characters (they span several tokens) cut the text, and what a stream
+    shows, concatenated, is exactly the whole answer: n > 1, include_stop_str_in_output, min_tokens."""
     model = model_id(c)
-    base = c.completions.create(model=model, prompt="The list goes", max_tokens=24, temperature=0)
+    base = c.completions.create(model=model, prompt="The list goes", max_tokens=24, temperature=0, n=1)
     text = base.choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    if not stop.strip():
-        return  # a random model may emit whitespace there; nothing meaningful to stop on
-    cut = c.completions.create(model=model, prompt="The list goes", max_tokens=24, temperature=0, stop=[stop])
-    assert cut.choices[0].finish_reason == "stop"
-    assert stop not in cut.choices[0].text and text.startswith(cut.choices[0].text)
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model=model, prompt="The list goes", max_tokens=24, temperature=0, stop=[stop], stream=True) if ch.choices)
-    assert streamed == cut.choices[0].text
+    checked = 0
+    for at, length in ((len(text) // 3, 3), (len(text) // 2, 7), (len(text) // 4, 12)):
+        stop = text[at:at + length]
+        if not stop.strip() or len(stop) < length:
+            continue  # a random model may emit whitespace there; nothing meaningful to stop on
+        for extra in ({}, {"include_stop_str_in_output": True}, {"min_tokens": 2}):
+            kw = dict(model=model, prompt="The list goes", max_tokens=24, temperature=0, stop=[stop], n=2,
+                      extra_body=extra)
+            cut = c.completions.create(**kw)
+            want = text[:text.index(stop) + (len(stop) if extra.get("include_stop_str_in_output") else 0)]
+            streamed = ["", ""]
+            for ch in c.completions.create(**kw, stream=True):
+                for choice in ch.choices:
+                    streamed[choice.index] += choice.text
+            if "min_tokens" in extra:
+                # A stop string inside the first min_tokens tokens is not applied: the cut may come later.
+                want = cut.choices[0].text
+                assert cut.usage.completion_tokens >= 2 * 2 and text.startswith(want[:len(text)])
+            for i in (0, 1):
+                assert cut.choices[i].finish_reason == "stop" and cut.choices[i].text == want, (stop, extra)
+                assert streamed[i] == want, (stop, extra, streamed[i])
+            checked += 1
+    assert checked, f"no usable stop string in {text!r}"
 
 
 def check_bad_input(base_url: str) -> None:

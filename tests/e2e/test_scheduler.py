@@ -42,7 +42,10 @@ def test_scheduler_is_unready_until_its_engine_answers(tiny_llama_dir, redis_ser
         while httpx.get(url + "/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline + 120
             time.sleep(0.2)
-        assert redis.Redis.from_url(redis_server.url).exists("pagedserve:replica:r0")
+        # It registers within a heartbeat of becoming ready.
+        while not redis.Redis.from_url(redis_server.url).exists("pagedserve:replica:r0"):
+            assert time.monotonic() < deadline + 130, "the ready scheduler never registered"
+            time.sleep(0.1)
         scheduler.terminate()
         assert scheduler.wait(30) == 0
         assert not redis.Redis.from_url(redis_server.url).exists("pagedserve:replica:r0")  # left on SIGTERM

@@ -3,6 +3,7 @@ input, and a client that disconnects mid-stream leaving no KV blocks behind."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,12 +18,12 @@ from tests.e2e.openai_checks import check_bad_input, check_chat_and_completions,
 pytest.importorskip("services.scheduler.async_scheduler")
 
 
-@pytest.fixture(scope="module")
-def serve_url(tiny_llama_dir):
+def start_serve(model_dir, *extra: str, env: dict | None = None):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
-                             "--num-kv-blocks", "256", "--max-num-seqs", "8", "--log-level", "warning"])
+                             "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
+                             "--num-kv-blocks", "256", "--max-num-seqs", "8", "--log-level", "warning", *extra],
+                            env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -34,9 +35,34 @@ def serve_url(tiny_llama_dir):
             pass
         assert time.monotonic() < deadline, "pagedserve serve did not come up"
         time.sleep(0.2)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def serve_url(tiny_llama_dir):
+    proc, url = start_serve(tiny_llama_dir)
     yield url
     proc.terminate()
     assert proc.wait(30) == 0
+
+
+def test_api_keys_isolate_their_prefix_caches(tiny_llama_dir):
+    env = {**os.environ, "PAGEDSERVE_API_KEYS": "sk-alice,sk-bob"}
+    proc, url = start_serve(tiny_llama_dir, "--cache-isolation", "per-key", env=env)
+    try:
+        def cached(key: str) -> int:
+            body = {"model": "tiny-llama", "prompt": "The lighthouse keeper counts ships. " * 12, "max_tokens": 2}
+            r = httpx.post(url + "/v1/completions", json={**body, "model": client(url, key).models.list().data[0].id},
+                           headers={"authorization": f"Bearer {key}"}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached("sk-alice") == 0
+        assert cached("sk-alice") >= 64  # the same tenant hits its own blocks
+        assert cached("sk-bob") == 0  # another tenant neither hits nor can time Alice's prompt
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_openai_client_against_serve(serve_url):

@@ -4,6 +4,7 @@ processes, serves, and Ctrl-C stops every one of them."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,8 +44,22 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
     try:
         banner = proc.stdout.readline()
         assert "pagedserve up: 2 replicas" in banner, banner
+        lines = [proc.stdout.readline() for _ in range(3)]
         children = _descendants(proc.pid)
         assert len(children) >= 6  # redis, 2 engines, 2 schedulers, 1 router
+        # The internal hops are closed: Redis wants its password, schedulers their router's token, and
+        # neither secret is on any command line (/proc/<pid>/cmdline is readable by every local user).
+        redis_port = int(banner.rsplit(":", 1)[1].split("/")[0])
+        with socket.create_connection(("127.0.0.1", redis_port), timeout=5) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(64).startswith(b"-NOAUTH")
+        scheduler_url = next(x.split()[-1] for x in lines if x.strip().startswith("replica-0"))
+        direct = httpx.post(scheduler_url + "/v1/completions", timeout=30,
+                            json={"model": Path(tiny_llama_dir).name, "prompt": "hello", "max_tokens": 3})
+        assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_internal_token"
+        for pid in children:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"redis://:" not in cmdline and b"requirepass" not in cmdline
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": Path(tiny_llama_dir).name, "prompt": "hello", "max_tokens": 3})
         assert r.status_code == 200 and r.headers["x-pagedserve-replica"] in ("replica-0", "replica-1")

@@ -105,3 +105,34 @@ def test_bad_input_names_the_field_and_spares_in_flight_requests(llm):
             if o.request_id == "inflight" and o.finished:
                 done = o
     assert done.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_banned_tokens_are_never_sampled(temperature, dtype):
+    from services.engine.sampler import Sampler, SampleRow
+    from services.step_protocol import SamplingSpec
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300).to(dtype)
+    top = logits.float().topk(5, dim=-1).indices
+    rows = [SampleRow(SamplingSpec(temperature, 1.0, -1, 7, None), i, 0, banned=top[i, :3].tolist()) for i in range(3)]
+    rows.append(SampleRow(SamplingSpec(temperature, 1.0, -1, 7, None), 3, 0))  # a bystander row: no ban
+    for _ in range(20):
+        tokens, _ = Sampler(torch.device("cpu"))(logits.clone(), rows)
+        for i in range(3):
+            assert tokens[i] not in top[i, :3].tolist()
+        if temperature == 0.0:
+            assert tokens[:3] == top[:3, 3].tolist() and tokens[3] == top[3, 0].item()
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-320}, {"temperature": 1e-6}, {"top_p": 1e-50},
+                                     {"top_k": 49152, "temperature": 1e300}, {"seed": -(2**63)}])
+def test_extreme_valid_values_sample_sensibly(llm, extreme):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(**{"temperature": 1.0, "max_tokens": 4, "ignore_eos": True, **extreme})
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and all(0 <= t < 49152 for t in out.token_ids)
+    if extreme.get("temperature", 1.0) < 1e-5 or "top_p" in extreme:
+        assert out.token_ids == greedy  # too cold to divide by, or only the top token kept: greedy

@@ -14,6 +14,7 @@ from services.replica.app import create_replica_app
 from services.replica.metrics import SchedulerMetrics
 from services.replica.serving import OpenAIServing, ServingConfig
 from services.sampling_params import InvalidRequestError
+from services.scheduler.async_scheduler import QueueFullError
 from services.scheduler.request_output import CompletionOutput, RequestOutput
 from services.step_protocol import TokenLogprobs
 from tests.conftest import AppServer
@@ -33,6 +34,7 @@ class ScriptedEngine:
         self.fail_at: int | None = None
         self.aborted: list[str] = []
         self.active: set[str] = set()
+        self.limit, self.held = 1 << 30, 0
 
     async def generate(self, rid, prompt, params):
         if max(prompt) >= 49152:
@@ -55,6 +57,18 @@ class ScriptedEngine:
 
     def abort(self, rid):
         self.aborted.append(rid)
+
+    def admit(self, num_seqs):
+        if self.held + num_seqs > self.limit:
+            raise QueueFullError(f"{self.held} held")
+        self.held += num_seqs
+        engine = self
+
+        class _Held:
+            def release(self):
+                engine.held -= num_seqs
+
+        return _Held()
 
 
 @pytest.fixture
@@ -122,6 +136,34 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    # The poison values of issue 14: each once ended a replica's every request, or was a 500.
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1, "top_k": 2**63}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1, "top_k": 3 * 2**62}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1, "top_k": 2**63 - 1}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": [2**32]}, 400, "prompt.0"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], [2**40]]}, 400, "prompt.1.0"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "\\udfff x"]}', 400, "prompt.1"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', 400, "model"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 10_000}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 200, "n": 8}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x", "extra": 1}]},
+     400, "messages.0.extra"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, None),
 ]
 
 
@@ -136,6 +178,35 @@ def test_bad_input_is_a_4xx_error_object(api, path, body, status, param):
     assert err["message"] and err["type"]
     if param:
         assert err["param"] == param, err
+
+
+ACCEPTED_EXTREMES = [
+    {"temperature": 1e-320}, {"temperature": 1e-6}, {"temperature": 1e300}, {"top_p": 1e-50}, {"top_k": 49152},
+    {"seed": -(2**63)}, {"seed": 2**63 - 1}, {"response_format": {"type": "text"}}, {"tool_choice": "none"},
+    {"stream_options": {"include_usage": True}, "stream": True}, {"include_stop_str_in_output": True},
+    {"cache_salt": "tenant-a"}, {"user": "u1", "metadata": {"k": "v"}},
+]
+
+
+@pytest.mark.parametrize("extra", ACCEPTED_EXTREMES)
+def test_extreme_but_valid_values_are_served(api, extra):
+    _, url = api
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def test_the_schema_is_published_with_every_range(api):
+    _, url = api
+    doc = httpx.get(url + "/openapi.json", timeout=10).json()
+    schemas = doc["components"]["schemas"]
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["$ref"] == "#/components/schemas/ChatCompletionRequest"
+    props = schemas["CompletionRequest"]["properties"]
+    assert (props["n"]["minimum"], props["n"]["maximum"]) == (1, 128)
+    assert schemas["CompletionRequest"]["additionalProperties"] is False
+    seed = [t for t in props["seed"]["anyOf"] if t.get("type") == "integer"][0]
+    assert seed["minimum"] == -(2**63) and seed["maximum"] == 2**63 - 1
 
 
 def test_huge_body_is_413_and_other_requests_are_unaffected(api):
@@ -186,3 +257,25 @@ def test_client_disconnect_aborts_the_engine_request(api):
     while engine.active and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.active and len(engine.aborted) == 2
+
+
+def test_a_full_queue_is_a_503_with_retry_after_and_room_comes_back(api):
+    engine, url = api
+    engine.limit, engine.delay = 3, 0.05
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
+    with httpx.Client(timeout=20) as client:
+        with client.stream("POST", url + "/v1/completions", json={**body, "n": 2}) as first:
+            assert first.status_code == 200
+            r = client.post(url + "/v1/completions", json={**body, "n": 2, "stream": False})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+            assert client.post(url + "/v1/completions", json={**body, "stream": False}).status_code == 200
+            first.read()
+        # A finished stream and a client that leaves mid-stream both give their room back.
+        with client.stream("POST", url + "/v1/completions", json={**body, "n": 3}) as s:
+            next(s.iter_lines())
+        deadline = time.monotonic() + 5
+        while engine.held and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.held == 0
+        assert client.post(url + "/v1/completions", json={**body, "n": 3, "stream": False}).status_code == 200

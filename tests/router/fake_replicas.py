@@ -19,15 +19,22 @@ BLOCK = 16
 SEED = model_hash_seed(MODEL, BLOCK)
 
 
-def replica_app(name: str, seen: list) -> FastAPI:
+def replica_app(name: str, seen: list, headers: list) -> FastAPI:
     app = FastAPI()
-    app.state.mode = "ok"  # "ok" | "500" | "slow"
+    app.state.mode = "ok"  # "ok" | "500" (an engine outage: 503) | "poison" (the request failed: 500) | "full" | "slow"
 
     async def answer(request: Request):
         body = await request.json()
         seen.append(body)
+        headers.append(dict(request.headers))
         if app.state.mode == "500":
             return JSONResponse({"error": {"message": "engine down"}}, status_code=503)
+        if app.state.mode == "poison":
+            return JSONResponse({"error": {"message": "the engine failed on this request", "code": "request_failed"}},
+                                status_code=500)
+        if app.state.mode == "full":
+            return JSONResponse({"error": {"message": "queue is full", "code": "queue_full"}}, status_code=503,
+                                headers={"Retry-After": "1"})
         if app.state.mode == "slow":
             await asyncio.sleep(0.5)
         if body.get("stream"):
@@ -46,10 +53,12 @@ def replica_app(name: str, seen: list) -> FastAPI:
 class FakeReplicas:
     """N fake replicas serving HTTP; their registry records are written as a scheduler would."""
 
-    def __init__(self, redis_url: str, names: list[str], capacity: int = 8):
+    def __init__(self, redis_url: str, names: list[str], capacity: int = 8, signer=None):
         self.redis_url = redis_url
+        self.signer = signer  # the internal token their records are signed with, if any
         self.seen: dict[str, list] = {n: [] for n in names}
-        self.apps = {n: replica_app(n, self.seen[n]) for n in names}
+        self.headers: list[dict] = []  # of every request any of them got, in arrival order
+        self.apps = {n: replica_app(n, self.seen[n], self.headers) for n in names}
         self.servers = {n: AppServer(self.apps[n]) for n in names}
         self.capacity = capacity
 
@@ -72,7 +81,7 @@ class FakeReplicas:
         async def go():
             client = connect(self.redis_url)
             try:
-                await fn(RedisSink(client))
+                await fn(RedisSink(client, signer=self.signer))
             finally:
                 await client.aclose()
 

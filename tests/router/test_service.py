@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from services.block_hash import hash_blocks
+from services.internal_auth import InternalToken
 from services.model_source import resolve_model
 from services.ports import free_port
 from services.registry.model import ReplicaLoad
@@ -32,9 +33,10 @@ def tokenizer():
 
 
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
-                max_queue: int = 16) -> AppServer:
+                max_queue: int = 16, token: InternalToken | None = None) -> AppServer:
     config = RouterConfig(policy=policy, max_queue=max_queue, request_timeout=10.0)
-    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url)), ApiKeys(keys or []))
+    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url), signer=token), ApiKeys(keys or []),
+                            internal_token=token)
     return AppServer(create_router_app(service))
 
 
@@ -107,6 +109,39 @@ def test_retry_on_dead_or_failing_replica_then_clear_error(tokenizer, redis_serv
         metrics = httpx.get(r.url + "/metrics").text
         assert "pagedserve_router_retries_total 2.0" in metrics
         assert 'pagedserve_router_requests_total{status="503"} 1.0' in metrics
+
+
+def test_a_request_that_failed_itself_is_not_retried_and_full_replicas_are_a_429(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a", "b", "c"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        for app in fakes.apps.values():
+            app.state.mode = "poison"
+        resp = chat(r.url, "poison")
+        assert resp.status_code == 500 and resp.json()["error"]["code"] == "request_failed"
+        assert sum(fakes.who().values()) == 1, "a poison request must not spread to other replicas"
+        for app in fakes.apps.values():
+            app.state.mode = "full"
+        resp = chat(r.url, "full")
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "queue_full"
+        fakes.apps["b"].state.mode = "ok"
+        assert chat(r.url, "one has room").headers["x-pagedserve-replica"] == "b"
+
+
+def test_with_an_internal_token_forged_records_are_ignored_and_replicas_get_the_token(tokenizer, redis_server):
+    token = InternalToken.generate()
+    with FakeReplicas(redis_server.url, ["forged"]) as forged, make_router(tokenizer, redis_server.url,
+                                                                           token=token) as r:
+        resp = chat(r.url, "where do prompts go?")
+        assert resp.status_code == 503 and forged.who() == {"forged": 0}  # unsigned: never a target
+        with FakeReplicas(redis_server.url, ["real"], signer=token) as real:
+            time.sleep(0.6)  # a router re-reads the registry for an unknown model at most every 0.5 s
+            resp = chat(r.url, "where do prompts go?")
+            assert resp.status_code == 200 and resp.headers["x-pagedserve-replica"] == "real"
+            assert real.headers[-1].get("x-pagedserve-internal-token") == token.value
+        forged.signer = InternalToken.generate()  # signed, but with another cluster's token
+        forged.publish("forged", ReplicaLoad())
+        time.sleep(0.6)
+        assert chat(r.url, "again").status_code == 503 and forged.who() == {"forged": 0}
 
 
 def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):

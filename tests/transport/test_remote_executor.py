@@ -74,10 +74,64 @@ def test_handshake_step_reset_health_round_trip(served):
     out = ex.execute(_step())
     assert out.step_id == 7 and out.sampled == {"a": [6, 6]}
     assert out.logprobs["a"][0].top_ids == [1, 2]
-    ex.reset()
-    assert runner.resets == 1
+    before = server.instance
+    # A reset zeroes the KV cache: to the scheduler it is a restart (its prefix cache is stale).
+    with pytest.raises(EngineUnavailableError, match="restarted"):
+        ex.reset()
+    assert runner.resets == 1 and server.instance != before
     assert ex.health()
+    ex.handshake()
     assert ex.instance == server.instance
+
+
+def test_only_the_scheduler_that_handshook_may_step_or_reset(served):
+    runner, server, owner = served
+    owner.wait_ready(5.0)
+    intruder = RemoteExecutor(server.url, timeout=5.0)
+    try:
+        deadline = time.monotonic() + 5
+        while intruder.probe() is None:  # connecting
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert intruder.health() and intruder.probe() == server.instance  # health is open to anyone
+        intruder._instance = server.instance  # even knowing the instance id does not make it the owner
+        for call in (intruder.reset, lambda: intruder.execute(_step())):
+            with pytest.raises(EngineUnavailableError, match="only the scheduler that handshook"):
+                call()
+        assert runner.resets == 0
+        assert owner.execute(_step()).sampled == {"a": [6, 6]}
+    finally:
+        intruder.close()
+
+
+def test_an_engine_with_a_token_serves_only_callers_that_present_it():
+    from services.internal_auth import InternalToken
+
+    token = InternalToken.generate()
+    server = EngineServer(FakeRunner(), "tcp://127.0.0.1:*", token)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    good, bad = RemoteExecutor(server.url, timeout=5.0, token=token), RemoteExecutor(server.url, timeout=5.0)
+    time.sleep(0.5)  # both connect
+    try:
+        with pytest.raises(EngineOpError, match="unauthorized"):
+            bad.handshake()
+        assert not bad.health()
+        assert good.wait_ready(5.0) == FakeRunner.info and good.execute(_step()).sampled == {"a": [6, 6]}
+    finally:
+        good.close()
+        bad.close()
+        server.stop()
+        thread.join(2)
+
+
+def test_the_engine_refuses_to_listen_beyond_loopback_without_a_token():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "services.cli", "engine", "--host", "0.0.0.0", "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--internal-token-file" in done.stderr
 
 
 def test_engine_side_error_is_an_exception_and_the_engine_keeps_serving(served):
