@@ -1,11 +1,13 @@
-# pagedserve engine: model weights, the paged KV cache and the forward pass, on a GPU (or the CPU).
+# pagedserve engine: model weights, the paged KV cache and the forward pass, on a GPU.
 #
 #   docker build -f docker/engine.Dockerfile -t pagedserve/engine:0.1.0 .     (or: make images)
 #
-# On NVIDIA's CUDA runtime image, with PyTorch's CUDA wheel (from the index matching that CUDA) and
-# the `triton` extra: the paged-attention and KV-write kernels are Triton kernels. Triton compiles
-# a small launcher with the system C compiler the first time a kernel runs, so gcc and the Python
-# headers stay in the final image. The converted default model (weights included) is baked in at
+# The CUDA engine: NVIDIA's CUDA runtime image, PyTorch's CUDA wheel (from the index matching that
+# CUDA; the build fails if a CPU-only torch or no Triton ends up installed) and the `triton` extra. By
+# default it starts on the GPU with the Triton attention backend and decode steps replayed from CUDA
+# graphs (captured at start-up; `--enforce-eager` turns them off). Triton compiles a small launcher
+# with the system C compiler the first time a kernel runs, so gcc and the Python headers stay in the
+# final image. The converted default model (weights included) is baked in at
 # /opt/pagedserve/default-model, the path the Helm chart passes as --model.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG TORCH_VERSION=2.13.0
@@ -27,7 +29,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY kernels /src/kernels
+# The engine's extras: torch and the model stack (engine) and the Triton kernels (triton).
 RUN --mount=type=cache,target=/root/.cache/pip pip install "/src[engine,triton]"
+RUN python -c "import torch, triton; \
+assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build: the engine image needs CUDA'; \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
 
 # Convert the default model once, at build time (on the CPU; no GPU is needed to build).
 FROM build AS model
@@ -61,4 +67,4 @@ VOLUME ["/cache"]
 USER 10001:10001
 EXPOSE 7000
 ENTRYPOINT ["pagedserve"]
-CMD ["engine", "--model", "/opt/pagedserve/default-model"]
+CMD ["engine", "--model", "/opt/pagedserve/default-model", "--device", "cuda", "--attention-backend", "triton"]

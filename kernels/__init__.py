@@ -45,30 +45,39 @@ def _launcher(module: str, name: str):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values `[num_tokens, num_kv_heads, head_dim]` into their slots; slot -1 is skipped."""
-    _launcher("triton_write_kv", "write_kv")(k, v, k_cache, v_cache, slot_mapping)
+             slot_mapping: torch.Tensor, *, slots_checked: bool = False) -> None:
+    """Scatter new keys/values `[num_tokens, num_kv_heads, head_dim]` into their slots; slot -1 is skipped.
+
+    `slots_checked=True`: the caller checked the slots on the host; nothing is read back from the device.
+    """
+    _launcher("triton_write_kv", "write_kv")(k, v, k_cache, v_cache, slot_mapping, slots_checked=slots_checked)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                     max_context_len: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA, split-KV).
 
-    Returns `[num_seqs, num_q_heads, head_dim]`; see `decode_attention_ref`.
+    Returns `[num_seqs, num_q_heads, head_dim]`; see `decode_attention_ref`. With `max_context_len`
+    (host-side) the launch reads nothing back from the device; `num_splits` overrides the heuristic.
     """
     launch = _launcher("triton_decode", "decode_attention")
-    return launch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return launch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len,
+                  num_splits=num_splits)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, *, max_query_len: int | None = None,
+                      max_context_len: int | None = None) -> torch.Tensor:
     """Chunked prefill over paged KV, causal within each sequence.
 
-    Returns `[num_tokens, num_q_heads, head_dim]`; see `prefill_attention_ref`.
+    Returns `[num_tokens, num_q_heads, head_dim]`; see `prefill_attention_ref`. With both maxima given
+    (host-side) the launch reads nothing back from the device.
     """
     launch = _launcher("triton_prefill", "prefill_attention")
-    return launch(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return launch(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                  max_query_len=max_query_len, max_context_len=max_context_len)
 
 
 __all__ = [

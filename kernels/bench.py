@@ -20,6 +20,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +28,27 @@ import kernels
 from kernels.bench_timing import copy_bandwidth, l2_bytes, median_ms
 from kernels.paged_inputs import dense_attention, make_paged_inputs, rel_err
 
-HQ, HKV, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+
+@dataclass(frozen=True)
+class BenchShape:
+    """Attention geometry of a benchmark: query heads, KV heads, head dim, block size, dtype."""
+
+    hq: int = 32
+    hkv: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * self.hkv * self.head_dim * 2 * self.dtype.itemsize  # K and V
+
+
+GOAL_SHAPE = BenchShape()  # Llama-3.1-8B's attention (and Llama-3.2-1B's but head dim 64)
+# Correctness shapes: the goal shape, GQA 3 with a 32-token block, no GQA; then context lengths
+# around block edges, long contexts and (prefill) chunks of every kind.
+CHECK_SHAPES = ((32, 8, 128, 16), (9, 3, 64, 32), (8, 8, 64, 16))
+CHECK_LENS = (1, "bs-1", "bs", "bs+1", 1000, 5000, 300, 33)
+CHECK_CHUNKS = (1, "bs-1", 3, 1, 700, 64, 0, 33)
 BATCHES, CONTEXTS = (1, 8, 64, 256), (512, 4096, 32768)
 PREFILL_CHUNKS, PREFILL_CACHED = (512, 2048), 4096
 GOAL_BATCH, GOAL_CONTEXT, GOAL_FRACTION = 64, 4096, 0.80
@@ -35,72 +56,86 @@ TOL = 1e-2
 CHECKED_SEQS = 4  # each timed output: this many sequences re-done by the reference
 
 
-def kv_bytes(tokens: int) -> int:
-    return tokens * HKV * HEAD_DIM * 2 * DTYPE.itemsize  # K and V
-
-
 def rotations(nbytes: int, device: torch.device) -> int:
     """Input sets to cycle through so that together they are 3x the L2 cache."""
     return max(1, min(64, math.ceil(3 * l2_bytes(device) / nbytes)))
 
 
-def fits(nbytes: int) -> bool:
+def fits(nbytes: int, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
     free, _ = torch.cuda.mem_get_info()
     return nbytes < 0.8 * free
 
 
-def check_correctness(device: torch.device) -> list[str]:
-    """Random bfloat16 inputs of mixed shapes through each kernel and its reference; returns failures."""
+def _lengths(spec: tuple, block_size: int, cap: int | None) -> list[int]:
+    values = [{"bs-1": block_size - 1, "bs": block_size, "bs+1": block_size + 1}.get(x, x) for x in spec]
+    return [min(v, cap) for v in values] if cap else values
+
+
+def check_correctness(device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                      shapes: tuple = CHECK_SHAPES, max_len: int | None = None) -> list[dict]:
+    """Random inputs of mixed shapes through each Triton kernel and its reference. Returns one row per
+    check: name, relative error and max absolute error vs the reference (and vs float64 dense
+    attention), and whether it is within TOL. `max_len` caps the context lengths (dry runs)."""
     from kernels.triton_decode import decode_attention
-    failures = []
+    rows = []
 
-    def report(name: str, err: float, dense_err: float | None = None) -> None:
-        ok = err <= TOL
-        extra = "" if dense_err is None else f"  (vs float64 dense {dense_err:.2e})"
-        print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err vs reference {err:.2e}{extra}")
-        if not ok:
-            failures.append(name)
+    def report(name: str, out: torch.Tensor, ref: torch.Tensor, dense: torch.Tensor | None = None) -> None:
+        err = rel_err(out, ref)
+        row = dict(name=name, rel_err=err, max_abs_err=float((out.double() - ref.double()).abs().max()),
+                   dense_rel_err=None if dense is None else rel_err(out, dense), ok=err <= TOL)
+        extra = "" if dense is None else f"  (vs float64 dense {row['dense_rel_err']:.2e})"
+        print(f"  {'ok  ' if row['ok'] else 'FAIL'} {name}: rel err vs reference {err:.2e}, "
+              f"max abs {row['max_abs_err']:.2e}{extra}")
+        rows.append(row)
 
-    for hq, hkv, d, bs in ((HQ, HKV, HEAD_DIM, BLOCK_SIZE), (9, 3, 64, 32), (8, 8, 64, 16)):
-        shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=DTYPE, device=device)
-        lens = [1, bs - 1, bs, bs + 1, 1000, 5000, 300, 33]
+    for hq, hkv, d, bs in shapes:
+        shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, device=device)
+        lens = _lengths(CHECK_LENS, bs, max_len)
+        chunks = [min(c, n) for c, n in zip(_lengths(CHECK_CHUNKS, bs, max_len), lens, strict=True)]
         name = f"hq={hq} hkv={hkv} d={d} bs={bs}"
         dec = make_paged_inputs(lens, shared_blocks=1, **shape)
-        out = kernels.decode_attention(*dec.decode_args())
         ref = kernels.decode_attention_ref(*dec.decode_args())
-        report(f"decode {name}", rel_err(out, ref), rel_err(out, dense_attention(dec)))
-        report(f"decode, 7 splits {name}", rel_err(decode_attention(*dec.decode_args(), num_splits=7), ref))
-        pre = make_paged_inputs(lens, [1, bs - 1, 3, 1, 700, 64, 0, 33], shared_blocks=1, **shape)
-        out = kernels.prefill_attention(*pre.prefill_args())
-        ref = kernels.prefill_attention_ref(*pre.prefill_args())
-        report(f"prefill {name}", rel_err(out, ref), rel_err(out, dense_attention(pre)))
+        report(f"decode {name}", kernels.decode_attention(*dec.decode_args()), ref, dense_attention(dec))
+        report(f"decode, 7 splits {name}", decode_attention(*dec.decode_args(), num_splits=7, min_split_tokens=1),
+               ref)
+        pre = make_paged_inputs(lens, chunks, shared_blocks=1, **shape)
+        report(f"prefill {name}", kernels.prefill_attention(*pre.prefill_args()),
+               kernels.prefill_attention_ref(*pre.prefill_args()), dense_attention(pre))
 
-    caches = [torch.randn(64, BLOCK_SIZE, HKV, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(2)]
+    hq, hkv, d, bs = shapes[0]
+    caches = [torch.randn(64, bs, hkv, d, device=device, dtype=dtype) for _ in range(2)]
     copies = [c.clone() for c in caches]
-    slots = torch.randperm(64 * BLOCK_SIZE, device=device)[:300]
+    slots = torch.randperm(64 * bs, device=device)[:300]
     slots[::7] = -1
-    k, v = (torch.randn(300, HKV, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(2))
+    k, v = (torch.randn(300, hkv, d, device=device, dtype=dtype) for _ in range(2))
     kernels.write_kv(k, v, *caches, slots)
     kernels.write_kv_ref(k, v, *copies, slots)
     exact = all(torch.equal(a, b) for a, b in zip(caches, copies, strict=True))
-    report("write_kv (must be exact)", 0.0 if exact else math.inf)
-    return failures
+    rows.append(dict(name="write_kv (must be exact)", rel_err=0.0 if exact else math.inf,
+                     max_abs_err=float(max((a.double() - b.double()).abs().max() for a, b in zip(caches, copies,
+                                                                                               strict=True))),
+                     dense_rel_err=None, ok=exact))
+    print(f"  {'ok  ' if exact else 'FAIL'} write_kv (must be exact)")
+    return rows
 
 
-def bench_decode(batch: int, ctx: int, device: torch.device, reps: int, **knobs) -> dict | None:
+def bench_decode(batch: int, ctx: int, device: torch.device, reps: int, shape: BenchShape = GOAL_SHAPE,
+                 **knobs) -> dict | None:
     from kernels.triton_decode import plan_decode_attention
-    nbytes = kv_bytes(batch * ctx)
+    nbytes = shape.kv_bytes(batch * ctx)
     sets = rotations(nbytes, device)
-    if not fits(sets * nbytes * 1.05):
+    if not fits(sets * nbytes * 1.05, device):
         return None
-    inp = make_paged_inputs([ctx] * (batch * sets), num_q_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
-                            block_size=BLOCK_SIZE, dtype=DTYPE, device=device)
+    inp = make_paged_inputs([ctx] * (batch * sets), num_q_heads=shape.hq, num_kv_heads=shape.hkv,
+                            head_dim=shape.head_dim, block_size=shape.block_size, dtype=shape.dtype, device=device)
     runs = []
     for r in range(sets):
         rows = slice(r * batch, (r + 1) * batch)
         runs.append(plan_decode_attention(inp.q[rows], inp.k_cache, inp.v_cache, inp.block_tables[rows],
-                                          inp.context_lens[rows], inp.scale, **knobs))
-    ms = median_ms(runs, reps=reps)
+                                          inp.context_lens[rows], inp.scale, max_context_len=ctx, **knobs))
+    ms = median_ms(runs, reps=reps, device=device)
     n = min(batch, CHECKED_SEQS)
     out = runs[0]()[:n]
     ref = kernels.decode_attention_ref(inp.q[:n], inp.k_cache, inp.v_cache, inp.block_tables[:n],
@@ -109,25 +144,47 @@ def bench_decode(batch: int, ctx: int, device: torch.device, reps: int, **knobs)
                 rel_err=rel_err(out, ref), **knobs)
 
 
-def bench_prefill(chunk: int, device: torch.device, reps: int) -> dict | None:
-    from kernels.triton_prefill import plan_prefill_attention
-    ctx = PREFILL_CACHED + chunk
-    nbytes = kv_bytes(ctx)
+def bench_sdpa_decode(batch: int, ctx: int, device: torch.device, reps: int,
+                      shape: BenchShape = GOAL_SHAPE) -> dict | None:
+    """torch's scaled_dot_product_attention on contiguous KV of the same size: the roofline stand-in
+    that paged decode is judged against (same bytes, no block-table indirection)."""
+    import torch.nn.functional as F
+    nbytes = shape.kv_bytes(batch * ctx)
     sets = rotations(nbytes, device)
-    if not fits(sets * nbytes * 1.05):
+    if not fits(sets * nbytes * 1.05, device):
         return None
-    inp = make_paged_inputs([ctx] * sets, [chunk] * sets, num_q_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
-                            block_size=BLOCK_SIZE, dtype=DTYPE, device=device)
+    gen = dict(device=device, dtype=shape.dtype)
+    inputs = [(torch.randn(batch, shape.hq, 1, shape.head_dim, **gen),
+               torch.randn(batch, shape.hkv, ctx, shape.head_dim, **gen),
+               torch.randn(batch, shape.hkv, ctx, shape.head_dim, **gen)) for _ in range(sets)]
+    gqa = shape.hq != shape.hkv
+    runs = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa) for q, k, v in inputs]
+    ms = median_ms(runs, reps=reps, device=device)
+    return dict(kernel="sdpa", batch=batch, context=ctx, ms=ms, kv_bytes=nbytes, input_sets=sets, rel_err=0.0)
+
+
+def bench_prefill(chunk: int, device: torch.device, reps: int, shape: BenchShape = GOAL_SHAPE,
+                  cached: int = PREFILL_CACHED) -> dict | None:
+    from kernels.triton_prefill import plan_prefill_attention
+    ctx = cached + chunk
+    nbytes = shape.kv_bytes(ctx)
+    sets = rotations(nbytes, device)
+    if not fits(sets * nbytes * 1.05, device):
+        return None
+    inp = make_paged_inputs([ctx] * sets, [chunk] * sets, num_q_heads=shape.hq, num_kv_heads=shape.hkv,
+                            head_dim=shape.head_dim, block_size=shape.block_size, dtype=shape.dtype, device=device)
     starts = torch.tensor([0, chunk], dtype=torch.int32, device=device)
     runs = [plan_prefill_attention(inp.q[r * chunk:(r + 1) * chunk], inp.k_cache, inp.v_cache,
-                                   inp.block_tables[r:r + 1], starts, inp.context_lens[r:r + 1], inp.scale)
+                                   inp.block_tables[r:r + 1], starts, inp.context_lens[r:r + 1], inp.scale,
+                                   max_query_len=chunk, max_context_len=ctx)
             for r in range(sets)]
-    ms = median_ms(runs, reps=reps)
+    ms = median_ms(runs, reps=reps, device=device)
     ref = kernels.prefill_attention_ref(inp.q[:chunk], inp.k_cache, inp.v_cache, inp.block_tables[:1], starts,
                                         inp.context_lens[:1], inp.scale)
-    pairs = chunk * PREFILL_CACHED + chunk * (chunk + 1) // 2  # (query, key) pairs under the causal mask
+    pairs = chunk * cached + chunk * (chunk + 1) // 2  # (query, key) pairs under the causal mask
     return dict(kernel="prefill", batch=1, context=ctx, chunk=chunk, ms=ms, kv_bytes=nbytes, input_sets=sets,
-                rel_err=rel_err(runs[0](), ref), tflops=4 * HQ * HEAD_DIM * pairs / (ms * 1e-3) / 1e12)
+                rel_err=rel_err(runs[0](), ref),
+                tflops=4 * shape.hq * shape.head_dim * pairs / (ms * 1e-3) / 1e12)
 
 
 def print_row(row: dict, copy_bw: float) -> None:
@@ -161,12 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{props.name}: {props.multi_processor_count} SMs, L2 {l2_bytes(device) / 2**20:.0f} MiB, "
           f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, triton {triton.__version__}")
     print("correctness (bfloat16):")
-    failures = check_correctness(device)
+    failures = [r["name"] for r in check_correctness(device) if not r["ok"]]
     copy_bw = copy_bandwidth(device)
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
 
     rows: list[dict] = []
-    print(f"decode: {HQ} query heads, {HKV} KV heads, head dim {HEAD_DIM}, block size {BLOCK_SIZE}, {DTYPE}")
+    g = GOAL_SHAPE
+    print(f"decode: {g.hq} query heads, {g.hkv} KV heads, head dim {g.head_dim}, block size {g.block_size}, {g.dtype}")
     jobs = [("decode", b, c) for b, c in itertools.product(BATCHES, CONTEXTS)]
     jobs += [("prefill", 1, chunk) for chunk in PREFILL_CHUNKS]
     for kind, batch, size in jobs:

@@ -6,6 +6,12 @@ once per query head) over one contiguous range of the context. With one split th
 and writes the output itself; with several, each writes a normalised partial output and its log-sum-exp
 to float32 scratch, and a second small kernel combines the splits. The split count grows until there
 are about two programs per multiprocessor, so a small batch with a long context still fills the GPU.
+
+Each sequence divides its own context among the splits (at least `min_split_tokens` per split), on the
+device: the grid depends only on host-side numbers (batch size, split count), never on the contents of
+`context_lens`. So a caller that knows the longest context (the engine builds it on the host with the
+step) launches without any device-to-host read, and a CUDA graph captured for a batch size replays for
+any mix of context lengths up to the one it was captured for.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ PROGRAMS_PER_SM = 2
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr,
-                         qk_scale, tokens_per_split, num_splits, num_q_heads,
+                         qk_scale, num_splits, min_split_tokens, num_q_heads,
                          stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh, stride_table, stride_os, stride_oh,
                          QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -44,8 +50,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_le
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    n_start = split * tokens_per_split
-    n_end = tl.minimum(n_start + tokens_per_split, context_len)
+    # This sequence's share per split: whole tiles, never fewer than min_split_tokens positions.
+    split_len = tl.cdiv(tl.maximum(tl.cdiv(context_len, num_splits), min_split_tokens), TILE_N) * TILE_N
+    n_start = split * split_len
+    n_end = tl.minimum(n_start + split_len, context_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -92,19 +100,29 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_q
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sms: int) -> int:
     """Enough splits for ~PROGRAMS_PER_SM programs per multiprocessor, none shorter than MIN_SPLIT_TOKENS."""
-    programs = num_seqs * num_kv_heads
+    programs = max(1, num_seqs * num_kv_heads)
     wanted = -(-PROGRAMS_PER_SM * sms // programs)
     return max(1, min(wanted, max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def useful_splits(max_context_len: int, num_splits: int, min_split_tokens: int, tile_n: int) -> int:
+    """How many of `num_splits` the longest context fills (the kernel's own division, on the host)."""
+    split_len = -(-max(-(-max_context_len // num_splits), min_split_tokens) // tile_n) * tile_n
+    return max(1, -(-max_context_len // split_len))
+
+
 def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                          num_splits: int | None = None, tile_n: int = DEFAULT_TILE_N, num_warps: int = 4,
-                          num_stages: int | None = None) -> Callable[[], torch.Tensor]:
+                          max_context_len: int | None = None, num_splits: int | None = None,
+                          min_split_tokens: int = MIN_SPLIT_TOKENS, tile_n: int = DEFAULT_TILE_N,
+                          num_warps: int = 4, num_stages: int | None = None) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
-    Split from the launch so the benchmark can time the kernels alone; the keyword-only knobs are for
-    tests and the benchmark.
+    `max_context_len`: the longest context, known on the host. Given, the launch reads nothing back
+    from the device (no sync, CUDA-graph safe) and the caller vouches for every context being in
+    [1, max_context_len]; omitted, it is read from `context_lens` and every length is checked.
+    Split from the launch so the benchmark can time the kernels alone; the other keyword-only knobs are
+    for tests and the benchmark.
     """
     check_decode(OP, q, k_cache, v_cache, block_tables, context_lens, scale)
     check_device(OP, q)
@@ -116,14 +134,18 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = triton_common.alloc((num_seqs, num_q_heads, head_dim), q.dtype, q.device)
     if out.numel() == 0:
         return lambda: out
-    # The one host read per call: the grid needs the longest context, and the checks need both ends.
-    min_len, max_len = torch.stack([context_lens.min(), context_lens.max()]).tolist()
+    if max_context_len is None:
+        # Without host-side metadata: one host read for the longest context and both ends' checks.
+        min_len, max_len = torch.stack([context_lens.min(), context_lens.max()]).tolist()
+    else:
+        min_len, max_len = 1, int(max_context_len)
     check_context_fits(OP, min_len, max_len, block_tables, block_size)
+    if min_split_tokens < 1:
+        raise ValueError(f"{OP}: min_split_tokens must be >= 1, got {min_split_tokens}")
 
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, num_sms(q.device))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), tile_n) * tile_n
-    num_splits = triton.cdiv(max_len, tokens_per_split)
+    num_splits = useful_splits(max_len, num_splits, min_split_tokens, tile_n)
     split = num_splits > 1
     if split:
         part_out = triton_common.alloc((num_seqs, num_q_heads, num_splits, head_dim), torch.float32, q.device)
@@ -138,7 +160,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         with device_guard(q):
             _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
                 q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-                float(scale) * LOG2E, tokens_per_split, num_splits, num_q_heads,
+                float(scale) * LOG2E, num_splits, min_split_tokens, num_q_heads,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
                 out.stride(0), out.stride(1),

@@ -75,13 +75,17 @@ def choose_block_m(num_seqs: int, max_q_len: int, num_kv_heads: int, block_g: in
 
 def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, *, block_m: int | None = None,
+                           context_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
+                           max_context_len: int | None = None, block_m: int | None = None,
                            tile_n: int = DEFAULT_TILE_N, num_warps: int | None = None,
                            num_stages: int | None = None) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
-    Split from the launch so the benchmark can time the kernel alone; the keyword-only knobs are for
-    tests and the benchmark.
+    `max_query_len` and `max_context_len`: the longest chunk and context, known on the host. Given
+    both, the launch reads nothing back from the device and the caller vouches for the layout
+    (query_start_loc running 0..num_tokens, no chunk longer than its context); omitted, the offsets and
+    lengths are read once and checked. Split from the launch so the benchmark can time the kernel
+    alone; the other keyword-only knobs are for tests and the benchmark.
     """
     check_prefill(OP, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
     check_device(OP, q)
@@ -94,15 +98,20 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
     out = triton_common.alloc((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
-    # The one host read per call: the grid needs the longest chunk, and the checks need every offset.
-    host = torch.cat([query_start_loc.long(), context_lens.long()]).tolist()
-    starts, lens = host[:num_seqs + 1], host[num_seqs + 1:]
-    check_query_layout(OP, starts, lens, num_tokens)
-    if num_seqs:
-        check_context_fits(OP, min(lens), max(lens), block_tables, block_size, min_allowed=0)
-    if out.numel() == 0:
+    if max_query_len is None or max_context_len is None:
+        # Without host-side metadata: one host read; the grid needs the longest chunk, the checks every offset.
+        host = torch.cat([query_start_loc.long(), context_lens.long()]).tolist()
+        starts, lens = host[:num_seqs + 1], host[num_seqs + 1:]
+        check_query_layout(OP, starts, lens, num_tokens)
+        if num_seqs:
+            check_context_fits(OP, min(lens), max(lens), block_tables, block_size, min_allowed=0)
+        max_q_len = max((b - a for a, b in zip(starts[:-1], starts[1:], strict=True)), default=0)
+    else:
+        max_q_len = int(max_query_len)
+        if num_seqs:
+            check_context_fits(OP, 0, int(max_context_len), block_tables, block_size, min_allowed=0)
+    if out.numel() == 0 or max_q_len == 0:
         return lambda: out
-    max_q_len = max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True))
 
     queries_per_kv = num_q_heads // num_kv_heads
     block_g = next_pow2(queries_per_kv)

@@ -40,8 +40,13 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Triton twin of `write_kv_ref`."""
+             slot_mapping: torch.Tensor, *, slots_checked: bool = False) -> None:
+    """Triton twin of `write_kv_ref`.
+
+    `slots_checked`: the caller has checked every slot on the host (the engine does, with the step),
+    so the launch reads nothing back from the device (no sync, CUDA-graph safe). Otherwise the slot
+    range is read once and checked.
+    """
     check_write_kv(OP, k, v, k_cache, v_cache, slot_mapping)
     check_device(OP, k)
     check_strides(OP, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
@@ -49,9 +54,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if num_tokens == 0 or k.numel() == 0:
         return
-    # One host read: a slot outside the cache would be a silent out-of-bounds write.
-    min_slot, max_slot = torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist()
-    check_slots(OP, min_slot, max_slot, k_cache)
+    if not slots_checked:
+        # One host read: a slot outside the cache would be a silent out-of-bounds write.
+        min_slot, max_slot = torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist()
+        check_slots(OP, min_slot, max_slot, k_cache)
     with device_guard(k):
         _write_kv_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, slot_mapping,

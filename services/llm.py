@@ -24,11 +24,13 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False):
         from services.engine.model_runner import ModelRunner
 
-        self.runner = ModelRunner(EngineConfig(model, dtype, device, block_size, num_kv_blocks,
-                                               parse_bytes(kv_cache_memory), max_model_len))
+        self.runner = ModelRunner(EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=parse_bytes(kv_cache_memory), max_model_len=max_model_len,
+            attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,

@@ -53,6 +53,11 @@ BLOCK_SIZE = Option("--block-size", "tokens per KV block", type=int, default=16)
 NUM_KV_BLOCKS = Option("--num-kv-blocks", "KV blocks to allocate (overrides --kv-cache-memory)", type=int)
 KV_CACHE_MEMORY = Option("--kv-cache-memory", "bytes of memory for the KV cache (suffixes K, M, G allowed)",
                          default="4G")
+ATTENTION_BACKEND = Option("--attention-backend", "paged-attention kernels: triton (CUDA), cpu (C++ kernels) or "
+                           "reference (PyTorch); auto: triton on CUDA, cpu on the CPU", default="auto",
+                           choices=("auto", "triton", "cpu", "reference"))
+ENFORCE_EAGER = Option("--enforce-eager", "run decode steps eagerly instead of replaying CUDA graphs",
+                       type=_parse_bool, default=False, is_switch=True)
 MAX_MODEL_LEN = Option("--max-model-len", "longest prompt + output in tokens (default: model's limit)", type=int)
 MAX_NUM_SEQS = Option("--max-num-seqs", "cap on requests running in one step", type=int, default=256)
 MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "token budget of one step", type=int, default=2048)
@@ -95,8 +100,9 @@ MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its run
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
+# The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
 ENGINE_OPTIONS = (ENGINE_HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN,
-                  INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+                  ATTENTION_BACKEND, ENFORCE_EAGER, MAX_NUM_SEQS, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
 _SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
@@ -105,8 +111,8 @@ ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE
                   INTERNAL_TOKEN, DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT,
                   MAX_BODY_BYTES, REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
-                 *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE,
-                 LOG_LEVEL)
+                 ATTENTION_BACKEND, ENFORCE_EAGER, *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION,
+                 MAX_BODY_BYTES, IN_PROCESS_ENGINE, LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}

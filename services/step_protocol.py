@@ -105,10 +105,35 @@ class EngineUnavailableError(RuntimeError):
     request on it is lost. Nothing about one request causes this."""
 
 
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    """One reason the engine refused a step: which sequence (None: the step as a whole), which field."""
+
+    seq_id: str | None
+    field: str  # e.g. "token_ids", "block_table", "sampling.temperature", "blocks_to_copy"
+    message: str
+
+    def __str__(self) -> str:
+        where = "step" if self.seq_id is None else f"sequence {self.seq_id!r}"
+        return f"{where}: {self.field}: {self.message}"
+
+
 class InvalidStepError(ValueError):
     """The engine refused a step because of some of its sequences (named), before any kernel touched
-    memory: only their requests fail, the rest of the batch runs again without them."""
+    memory: only their requests fail, the rest of the batch runs again without them. `faults` says
+    which field of which sequence (engine side; over the wire only the message and the ids travel). A
+    fault of the step as a whole (a copy-on-write pair no sequence owns) names no sequence."""
 
-    def __init__(self, message: str, seq_ids: list[str]):
+    def __init__(self, message: str, seq_ids: list[str], faults: list[StepFault] | None = None):
         super().__init__(message)
         self.seq_ids = list(seq_ids)
+        self.faults = list(faults or [])
+
+    @classmethod
+    def from_faults(cls, faults: list[StepFault]) -> InvalidStepError:
+        if not faults:
+            raise ValueError("InvalidStepError needs at least one fault")
+        shown = "; ".join(str(f) for f in faults[:4])
+        more = f" (+{len(faults) - 4} more)" if len(faults) > 4 else ""
+        seq_ids = list(dict.fromkeys(f.seq_id for f in faults if f.seq_id is not None))
+        return cls(f"invalid step: {shown}{more}", seq_ids, faults)

@@ -3,6 +3,7 @@ that uses the real SmolLM2 tokenizer (so chat templates and detokenization are t
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,12 @@ import pytest
 
 from services.commands.redis_binary import find_redis_server, missing_message
 from services.ports import free_port
+
+# Triton kernels (kernel tests, the engine on its Triton backend) run through Triton's CPU interpreter.
+# It must be on before any kernel is defined: here, before any test module imports `kernels.triton_*`
+# (the `kernels` package itself never imports Triton). Engines started by tests inherit it; their
+# default CPU backend does not use Triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "generation_config.json")

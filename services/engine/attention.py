@@ -1,10 +1,18 @@
-"""Attention over the paged KV cache for one flattened batch: metadata and backend dispatch.
+"""Attention over the paged KV cache for one flattened batch: the step's metadata and three backends.
 
 Tokens are laid out decodes first (one token each), then prefill chunks. Decodes go through the
-batched decode kernel; prefill chunks through the chunked-prefill kernel. CUDA tensors use the Triton
-kernels; on the CPU, decodes and KV writes use the compiled C++ kernels (kernels.cpu), and prefills go
-through services/engine/cpu_prefill.py (SDPA for fresh prompts, the C++ decode kernel for
-continuations where AMX runs it, masked SDPA otherwise).
+batched decode kernel; prefill chunks through the chunked-prefill kernel. The backend is chosen
+independently of the device (`--attention-backend`; by default Triton on CUDA, the C++ kernels on the
+CPU):
+
+- `triton`: the Triton kernels (kernels/triton_*), on CUDA or, under TRITON_INTERPRET=1, on the CPU
+  through Triton's interpreter (slow; tests). Given the host-side numbers in `AttentionMetadata`, they
+  read nothing back from the device: no sync inside a layer, and decode steps can be CUDA-graph captured.
+- `cpu`: the compiled C++ kernels (kernels.cpu) for decodes and KV writes; prefills through
+  services/engine/cpu_prefill.py (SDPA for fresh prompts, the C++ decode kernel for continuations where
+  AMX runs it, masked SDPA otherwise). CPU tensors only.
+- `reference`: the PyTorch references (kernels.reference), on any device: the specification. They read
+  index tensors on the host (a sync per call on CUDA), so they are never captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,50 +22,142 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from kernels.cpu import decode_attention_cpu, write_kv_cpu
-from services.engine.cpu_prefill import prefill_attention_cpu
+from kernels.triton_common import interpreting
+
+BACKENDS = ("triton", "cpu", "reference")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64
+    """Device index tensors of a step plus the host-side numbers that size the kernels' grids."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1: padding, written nowhere
     num_decode: int  # the first num_decode tokens are single-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
+    decode_block_tables: torch.Tensor | None  # [num_decode, width] int32
     decode_context_lens: torch.Tensor | None  # [num_decode] int32
-    prefill_block_tables: torch.Tensor | None  # [num_prefill_seqs, max_blocks] int32
+    decode_max_context_len: int
+    decode_num_splits: int | None  # split-KV programs per (sequence, KV head); Triton only
+    prefill_block_tables: torch.Tensor | None  # [num_prefill_seqs, width] int32
     prefill_query_start_loc: torch.Tensor | None  # [num_prefill_seqs + 1] int32, relative to num_decode
     prefill_context_lens: torch.Tensor | None  # [num_prefill_seqs] int32
+    prefill_max_query_len: int = 0
+    prefill_max_context_len: int = 0
     # (q_start, q_end, context_len) per prefill sequence, relative to num_decode, as Python ints.
     prefill_spans: list[tuple[int, int, int]] | None = None
     step_cache: dict | None = None  # per-step scratch shared by all layers (CPU prefill masks)
 
 
-class PagedAttention:
-    def __init__(self, device: torch.device):
-        on_cuda = device.type == "cuda"
-        self.write_kv = kernels.write_kv if on_cuda else write_kv_cpu
-        self.decode = kernels.decode_attention if on_cuda else decode_attention_cpu
-        self.on_cuda = on_cuda
-        self.prefill = kernels.prefill_attention if on_cuda else kernels.prefill_attention_ref
+def resolve_backend(name: str | None, device: torch.device) -> str:
+    """The backend to run: `auto`/None picks by device; a backend that cannot run here is a clear error."""
+    if name in (None, "auto"):
+        return "triton" if device.type == "cuda" else "cpu"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs the C++ CPU kernels; the engine's device is {device}")
+    if name == "triton":
+        if not kernels.triton_available():
+            raise ValueError("attention_backend 'triton' needs Triton: pip install 'pagedserve[triton]'")
+        if device.type == "cpu" and not interpreting():
+            raise ValueError("attention_backend 'triton' on the CPU runs through Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before starting (slow; meant for tests)")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"attention_backend 'triton' runs on CUDA (or the CPU interpreter), not {device}")
+    return name
 
-    def _run_prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not self.on_cuda and meta.prefill_spans is not None:
-            return prefill_attention_cpu(q, k, v, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans,
-                                         scale, meta.step_cache)
-        return self.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                            meta.prefill_context_lens, scale)
+
+class TritonBackend:
+    captures_graphs = True
+
+    def __init__(self, device: torch.device):
+        from kernels import triton_common, triton_decode
+
+        self._choose_splits = triton_decode.choose_num_splits
+        self._sms = triton_common.num_sms(device)
+
+    def num_splits(self, num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
+        return self._choose_splits(num_seqs, num_kv_heads, max_context_len, self._sms)
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                        scale, max_context_len=meta.decode_max_context_len,
+                                        num_splits=meta.decode_num_splits)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                         meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+                                         max_query_len=meta.prefill_max_query_len,
+                                         max_context_len=meta.prefill_max_context_len)
+
+
+class CpuBackend:
+    captures_graphs = False
+
+    def __init__(self, device: torch.device):
+        from kernels.cpu import decode_attention_cpu, write_kv_cpu
+        from services.engine.cpu_prefill import prefill_attention_cpu
+
+        self._decode, self._write_kv, self._prefill = decode_attention_cpu, write_kv_cpu, prefill_attention_cpu
+
+    def num_splits(self, num_seqs: int, num_kv_heads: int, max_context_len: int) -> None:
+        return None
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._prefill(q, k, v, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans, scale,
+                             meta.step_cache)
+
+
+class ReferenceBackend:
+    captures_graphs = False
+
+    def __init__(self, device: torch.device):
+        pass
+
+    def num_splits(self, num_seqs: int, num_kv_heads: int, max_context_len: int) -> None:
+        return None
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        kernels.write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return kernels.decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return kernels.prefill_attention_ref(q, k_cache, v_cache, meta.prefill_block_tables,
+                                             meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+
+
+_BACKEND_CLASSES = {"triton": TritonBackend, "cpu": CpuBackend, "reference": ReferenceBackend}
+
+
+class PagedAttention:
+    """One layer's attention over the flattened batch, through the chosen backend."""
+
+    def __init__(self, backend: str, device: torch.device):
+        self.name = resolve_backend(backend, device)
+        self.backend = _BACKEND_CLASSES[self.name](device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        b = self.backend
+        b.write_kv(k, v, k_cache, v_cache, meta)
         nd = meta.num_decode
         if nd == q.shape[0]:
-            return self.decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            return b.decode(q, k_cache, v_cache, meta, scale)
         if nd == 0:
-            return self._run_prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return b.prefill(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                               scale)
-        out[nd:] = self._run_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+        out[:nd] = b.decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[nd:] = b.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
         return out

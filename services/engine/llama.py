@@ -62,7 +62,7 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module machinery on the hot path)."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, attention_backend: str = "auto"):
         self.config = config
         self.device, self.dtype = device, dtype
         c = config
@@ -82,7 +82,7 @@ class LlamaModel:
         self.head_weight = weights["lm_head"]
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                     dtype, device)
-        self.attn = PagedAttention(device)
+        self.attn = PagedAttention(attention_backend, device)
         # Fused C++ elementwise kernels on the CPU in half precision; float32 keeps the op-for-op
         # Hugging Face arithmetic so its outputs stay bit-comparable in the parity tests.
         self.fused = None

@@ -1,4 +1,5 @@
-"""Loads Llama-family weights from a Hugging Face safetensors directory into fused, device-ready tensors."""
+"""Loads Llama-family weights from a Hugging Face safetensors directory into fused, device-ready tensors,
+or draws random ones in a model's real shapes (benchmarks on a machine with no model to download)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, dict]:
+def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               attention_backend: str = "auto") -> tuple[LlamaModel, dict]:
     model_dir = Path(model_dir)
     hf_cfg = read_config(model_dir)
     config = LlamaConfig.from_hf(hf_cfg)
@@ -69,4 +71,27 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     else:
         lm_head = embed
     weights = {"embed": embed, "layers": layers, "norm": put(take("norm.weight")), "lm_head": lm_head}
-    return LlamaModel(config, weights, device, dtype), hf_cfg
+    return LlamaModel(config, weights, device, dtype, attention_backend), hf_cfg
+
+
+def random_llama(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
+                 seed: int = 0) -> LlamaModel:
+    """A Llama of `hf_cfg`'s shapes with random weights drawn on the device (no download, no disk)."""
+    c = LlamaConfig.from_hf(hf_cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(std)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    layers = [{"input_norm": ones(c.hidden_size), "post_norm": ones(c.hidden_size),
+               "qkv": rand(qkv_rows, c.hidden_size), "o": rand(c.hidden_size, c.num_heads * c.head_dim),
+               "gate_up": rand(2 * c.intermediate_size, c.hidden_size),
+               "down": rand(c.hidden_size, c.intermediate_size)} for _ in range(c.num_layers)]
+    embed = rand(c.vocab_size, c.hidden_size)
+    lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size)
+    weights = {"embed": embed, "layers": layers, "norm": ones(c.hidden_size), "lm_head": lm_head}
+    return LlamaModel(c, weights, device, dtype, attention_backend)

@@ -1,7 +1,9 @@
-"""Executes one SchedulerOutput: builds the flattened batch, runs the model, samples.
+"""Executes one SchedulerOutput: builds the step's inputs on the host, runs the model, samples.
 
-Owns the weights and the KV cache tensors (one key and one value tensor per layer shaped
-`[num_blocks, block_size, num_kv_heads, head_dim]`). Makes no scheduling decision.
+Owns the weights, the KV cache tensors (one key and one value tensor per layer shaped
+`[num_blocks, block_size, num_kv_heads, head_dim]`) and the decode CUDA graphs. Per step: validate and
+lay out the inputs on the host (services/engine/step_inputs.py), copy them to the device once, run the
+forward (eagerly, or a decode step replayed from its graph), sample. Makes no scheduling decision.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from pathlib import Path
 import torch
 
 import kernels.cpu as cpu_kernels
-from services.engine.attention import AttentionMetadata
+from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
-from services.engine.model_loader import load_llama
-from services.engine.sampler import Sampler, SampleRow
+from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from services.engine.model_loader import load_llama, random_llama
+from services.engine.sampler import Sampler
+from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
+from services.engine.step_validation import StepLimits
 from services.model_source import model_id_of, resolve_model
 from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 
@@ -61,19 +66,31 @@ def _eos_ids(model_dir: Path, hf_cfg: dict) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """`graph_capture`: how decode graphs are captured (default: CUDA graphs on a CUDA device with the
+    Triton backend, unless `config.enforce_eager`; tests pass a FakeGraphCapture on the CPU).
+    `random_weights`: a Hugging Face config dict to build that model with random weights instead of
+    loading `config.model` (the GPU check, on a machine with nothing to download)."""
+
+    def __init__(self, config: EngineConfig, *, graph_capture=None, random_weights: dict | None = None):
         dtype, block_size = config.dtype, config.block_size
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.config = config
-        self.model_dir = resolve_model(config.model)
         self.device = pick_device(config.device)
         self.dtype = _DTYPES[dtype]
+        backend = resolve_backend(config.attention_backend, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")
-        self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device)
+        if random_weights is None:
+            self.model_dir = resolve_model(config.model)
+            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend)
+            model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
+        else:
+            self.model_dir, hf_cfg = None, random_weights
+            self.model = random_llama(hf_cfg, self.dtype, self.device, backend)
+            model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
         cfg = self.model.config
         self.block_size = block_size
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
@@ -82,11 +99,11 @@ class ModelRunner:
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
-        arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        self.arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
-            advise_huge_pages(arena)
-        arena.zero_()
-        self.kv_caches = [(arena[i, 0], arena[i, 1]) for i in range(cfg.num_layers)]
+            advise_huge_pages(self.arena)
+        self.arena.zero_()
+        self.kv_caches = [(self.arena[i, 0], self.arena[i, 1]) for i in range(cfg.num_layers)]
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
         # a first build takes about a minute that must not land on the first request after "ready".
@@ -94,99 +111,74 @@ class ModelRunner:
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
+        self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
+                                                  cfg.vocab_size), self.device)
+        self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
         self.info = EngineInfo(
-            model_id=model_id_of(config.model, self.model_dir),
-            block_size=block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
-            vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
-            eos_token_ids=_eos_ids(self.model_dir, hf_cfg))
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens (%.2f GiB)", self.info.model_id,
-                 self.device, self.num_kv_blocks, block_size, self.num_kv_blocks * per_block / 2**30)
+            model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
+            eos_token_ids=eos)
+        log.info("engine ready: %s on %s, %s attention%s, %d KV blocks of %d tokens (%.2f GiB)",
+                 self.info.model_id, self.device, backend,
+                 ", CUDA graphs" if self.graphs is not None else "", self.num_kv_blocks, block_size,
+                 self.num_kv_blocks * per_block / 2**30)
+
+    def capture_decode_graphs(self, capture=None) -> DecodeGraphs | None:
+        """Decode graphs for every batch size up to max_num_seqs (None where none can be captured:
+        no capture given off CUDA, or a backend that reads the device on the host)."""
+        attention = self.model.attn
+        if capture is None:
+            if self.device.type != "cuda":
+                return None
+            if not attention.backend.captures_graphs:
+                log.info("no CUDA graphs: the %s attention backend reads the device on the host", attention.name)
+                return None
+            capture = CudaGraphCapture(self.device)
+        return DecodeGraphs(self.model, self.kv_caches, attention, self.device, self.block_size,
+                            self.config.max_num_seqs, self.max_model_len, capture)
 
     def reset(self) -> None:
-        for k, v in self.kv_caches:
-            k.zero_()
-            v.zero_()
+        self.arena.zero_()
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # Every layer's keys and values at once: the arena's block axis is dimension 2.
+        self.arena.index_copy_(2, dst, self.arena.index_select(2, src))
+
+    def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
+        nd = step.num_decode
+        splits = (self.model.attn.backend.num_splits(nd, self.model.config.num_kv_heads,
+                                                     step.decode_max_context_len) if nd else None)
+        return AttentionMetadata(
+            slot_mapping=t.slot_mapping, num_decode=nd, decode_block_tables=t.decode_block_tables,
+            decode_context_lens=t.decode_context_lens, decode_max_context_len=step.decode_max_context_len,
+            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables,
+            prefill_query_start_loc=t.prefill_query_start_loc, prefill_context_lens=t.prefill_context_lens,
+            prefill_max_query_len=step.prefill_max_query_len, prefill_max_context_len=step.prefill_max_context_len,
+            prefill_spans=step.prefill_spans, step_cache={})
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        if out.blocks_to_copy:
-            self._copy_blocks(out.blocks_to_copy)
-        bs = self.block_size
-        # Decodes that share prefix blocks sit next to each other, so the attention kernel finds the
-        # shared blocks still in cache when it reaches the next sequence of the group.
-        decodes = sorted((s for s in out.sequences if len(s.token_ids) == 1), key=lambda s: s.block_table[0])
-        prefills = [s for s in out.sequences if len(s.token_ids) > 1]
-        ordered = decodes + prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for s in decodes:
-            p = s.start_pos
-            input_ids.append(s.token_ids[0])
-            positions.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-        q_starts = [0]
-        for s in prefills:
-            n = len(s.token_ids)
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            table = s.block_table
-            slots.extend([table[p // bs] * bs + p % bs for p in pos])
-            q_starts.append(q_starts[-1] + n)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decodes),
-            decode_block_tables=self._block_tables(decodes),
-            decode_context_lens=self._int_tensor([s.start_pos + 1 for s in decodes]) if decodes else None,
-            prefill_block_tables=self._block_tables(prefills),
-            prefill_query_start_loc=self._int_tensor(q_starts) if prefills else None,
-            prefill_context_lens=(self._int_tensor([s.start_pos + len(s.token_ids) for s in prefills])
-                                  if prefills else None),
-            prefill_spans=[(q_starts[i], q_starts[i + 1], s.start_pos + len(s.token_ids))
-                           for i, s in enumerate(prefills)],
-            step_cache={},
-        )
-        # Rows to sample: the last token of each sequence that samples, once per requested sample.
-        sample_idx: list[int] = []
-        rows: list[SampleRow] = []
-        owners: list[str] = []
-        end = 0
-        for s in ordered:
-            end += len(s.token_ids)
-            if s.sample:
-                for j in range(s.num_samples):
-                    sample_idx.append(end - 1)
-                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
-                    owners.append(s.seq_id)
+        """Raises InvalidStepError (naming the sequences) before touching the device for a bad step."""
+        graphs = self.graphs
+        step = self.inputs.build(out, graphs.batch_for if graphs is not None else None)
         result = ModelRunnerOutput(step_id=out.step_id)
-        logits, hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_caches,
-            torch.tensor(sample_idx, dtype=torch.long, device=dev))
+        if step.graph_batch is not None:
+            logits, hidden = graphs.run(step)
+        else:
+            t = step.upload(self.device)
+            if step.num_copies:
+                self._copy_blocks(t.copy_src, t.copy_dst)
+            if not step.num_tokens:
+                return result
+            logits, hidden = self.model.forward(t.input_ids, t.positions, self._metadata(step, t), self.kv_caches,
+                                                t.sample_idx)
+        rows = step.rows
         if not rows:
             return result
-        tokens, logprobs = self.sampler(logits, rows, hidden, self.model.head_weight)
-        for seq_id, tok, lp in zip(owners, tokens, logprobs, strict=True):
+        n = len(rows)
+        tokens, logprobs = self.sampler(logits[:n], rows, hidden[:n], self.model.head_weight)
+        for seq_id, tok, lp in zip(step.owners, tokens, logprobs, strict=True):
             result.sampled.setdefault(seq_id, []).append(tok)
             if lp is not None:
                 result.logprobs.setdefault(seq_id, []).append(lp)
         return result
-
-    def _int_tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-    def _block_tables(self, seqs) -> torch.Tensor | None:
-        if not seqs:
-            return None
-        width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)

@@ -1,15 +1,10 @@
-"""Kernel tests run the Triton kernels through Triton's CPU interpreter, in float32.
-
-TRITON_INTERPRET must be set before any Triton kernel is defined, so it is set here, at import time,
-before the test modules import `kernels.triton_*` (the `kernels` package itself never imports Triton).
-"""
+"""Kernel tests run the Triton kernels through Triton's CPU interpreter, in float32 (TRITON_INTERPRET
+is set by tests/conftest.py before any Triton kernel is defined)."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture

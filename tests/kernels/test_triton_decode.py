@@ -80,3 +80,27 @@ def test_decode_float16(gen, poisoned):
     out = triton_decode.decode_attention(*inputs.decode_args(), num_splits=2)
     assert out.dtype == torch.float16
     assert rel_err(out, dense_attention(inputs)) <= 2e-3
+
+
+def test_host_metadata_launch_reads_nothing_back(gen, poisoned, assert_attention_close):
+    # With the longest context given on the host, the launch makes no device-to-host read, and each
+    # sequence splits its own context: one long and several short ones, 4 forced splits.
+    from tests.engine.host_reads import no_host_reads
+
+    inputs = make_paged_inputs([1100, 3, 16, 300], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                               poison_unused=True, generator=gen)
+    with no_host_reads() as guard:
+        out = triton_decode.decode_attention(*inputs.decode_args(), max_context_len=1100, num_splits=4,
+                                             min_split_tokens=16)
+    assert guard.checked > 0
+    assert_attention_close(out, kernels.decode_attention_ref(*inputs.finite().decode_args()),
+                           dense_attention(inputs), inputs.q)
+    with pytest.raises(ValueError, match="block table too short"):
+        triton_decode.decode_attention(*inputs.decode_args(), max_context_len=10_000)
+
+
+def test_useful_splits_matches_the_kernels_division():
+    # The host's count of splits the longest context fills, for the grid.
+    assert triton_decode.useful_splits(1100, 4, 256, 64) == 4  # 275 -> 320 a split
+    assert triton_decode.useful_splits(300, 8, 256, 64) == 2  # 256 a split at least
+    assert triton_decode.useful_splits(1, 64, 256, 64) == 1

@@ -75,3 +75,16 @@ def test_prefill_float16(gen, poisoned):
     out = triton_prefill.prefill_attention(*inputs.prefill_args())
     assert out.dtype == torch.float16
     assert rel_err(out, dense_attention(inputs)) <= 2e-3
+
+
+def test_host_metadata_launch_reads_nothing_back(gen, poisoned, assert_attention_close):
+    from tests.engine.host_reads import no_host_reads
+
+    seqs = [(40, 40), (90, 7), (17, 1)]
+    inputs = make_paged_inputs([c for c, _ in seqs], [n for _, n in seqs], num_q_heads=4, num_kv_heads=2,
+                               head_dim=64, block_size=16, poison_unused=True, generator=gen)
+    with no_host_reads() as guard:
+        out = triton_prefill.prefill_attention(*inputs.prefill_args(), max_query_len=40, max_context_len=90)
+    assert guard.checked > 0
+    assert_attention_close(out, kernels.prefill_attention_ref(*inputs.finite().prefill_args()),
+                           dense_attention(inputs), inputs.q)

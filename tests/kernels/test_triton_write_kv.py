@@ -70,3 +70,16 @@ def test_write_kv_no_tokens():
     empty = torch.zeros(0, 2, 64)
     kernels.write_kv(empty, empty, cache, cache.clone(), torch.zeros(0, dtype=torch.int32))
     assert not cache.any()
+
+
+def test_checked_slots_launch_reads_nothing_back(gen):
+    from tests.engine.host_reads import no_host_reads
+
+    k, v, k_cache, v_cache, slots = random_write(gen, 20, 4, 16, 2, 64, torch.float32)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.write_kv_ref(k, v, k_ref, v_ref, slots)
+    with no_host_reads():
+        kernels.write_kv(k, v, k_cache, v_cache, slots, slots_checked=True)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    with no_host_reads(), pytest.raises(AssertionError, match="host read"):
+        kernels.write_kv(k, v, k_cache, v_cache, slots)  # unchecked slots are read back and checked

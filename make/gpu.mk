@@ -1,0 +1,9 @@
+# The GPU engine path's device check (services/bench/gpu_check.py): one run on one GPU, under ten minutes,
+# random weights in Llama-3.2-1B and Llama-3.1-8B shapes (no network). On a machine without a GPU:
+#   make gpu-check GPU_CHECK_ARGS="--device cpu --dry-run"
+.PHONY: gpu-check
+
+GPU_CHECK_ARGS ?=
+
+gpu-check: install
+	$(PY) -m services.bench.gpu_check $(GPU_CHECK_ARGS)

@@ -1,0 +1,328 @@
+"""The inputs of one engine step, built once on the host from a `SchedulerOutput` and sent to the device
+in one copy.
+
+Everything the kernels read (token ids, positions, KV slots, rows to sample, copy-on-write pairs,
+block tables, query starts, context lengths) is laid out in one flat byte buffer, pinned on CUDA, and
+the numbers that size the kernels' grids (longest context, longest chunk) stay host-side Python ints.
+The model's forward then never reads a device tensor back: no sync inside a layer, and a decode step
+can be replayed from a CUDA graph. While it builds, `StepInputBuilder` validates the step against the
+pool and the model (services/engine/step_validation.py) and raises `InvalidStepError` naming the
+sequences at fault before any kernel runs.
+
+This is the one typed place a step's host-side inputs live: the model runner, the CUDA-graph runner
+and (later) every tensor-parallel rank build from the same `StepInputs`.
+"""
+
+from __future__ import annotations
+
+import array
+import math
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from services.engine.sampler import SampleRow
+from services.engine.step_validation import INDEX_LIMIT, MAX_NUM_SAMPLES, StepLimits, find_faults, sampling_ok
+from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
+
+_INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
+_INT32_FIELDS = ("decode_context_lens", "decode_block_tables", "prefill_query_start_loc",
+                 "prefill_context_lens", "prefill_block_tables")
+_NP = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each field lives in the step buffer: int64 fields first, then int32 (so all are aligned)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    spans: dict[str, tuple[int, int, torch.dtype]]  # name -> (start byte, end byte, dtype)
+    nbytes: int
+
+    @classmethod
+    def of(cls, *, num_tokens: int, num_samples: int, num_decode: int, decode_width: int, num_prefill: int,
+           prefill_width: int, num_copies: int = 0) -> StepLayout:
+        shapes = {
+            "input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_tokens,),
+            "sample_idx": (num_samples,), "copy_src": (num_copies,), "copy_dst": (num_copies,),
+            "decode_context_lens": (num_decode,), "decode_block_tables": (num_decode, decode_width),
+            "prefill_query_start_loc": (num_prefill + 1 if num_prefill else 0,),
+            "prefill_context_lens": (num_prefill,), "prefill_block_tables": (num_prefill, prefill_width),
+        }
+        spans, at = {}, 0
+        for name in _INT64_FIELDS + _INT32_FIELDS:
+            dtype = torch.int64 if name in _INT64_FIELDS else torch.int32
+            end = at + math.prod(shapes[name]) * dtype.itemsize
+            spans[name] = (at, end, dtype)
+            at = end
+        return cls(shapes, spans, at)
+
+    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: buf[start:end].view(_NP[dtype]).reshape(self.shapes[name])
+                for name, (start, end, dtype) in self.spans.items()}
+
+    def tensors(self, buf: torch.Tensor) -> StepTensors:
+        """Typed views of a (device or host) copy of the buffer."""
+        return StepTensors(**{name: buf[start:end].view(dtype).view(self.shapes[name])
+                              for name, (start, end, dtype) in self.spans.items()})
+
+
+@dataclass
+class StepTensors:
+    """The step's index tensors on the device, views of one buffer (empty where a field is)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    sample_idx: torch.Tensor
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    decode_context_lens: torch.Tensor
+    decode_block_tables: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+
+
+@dataclass
+class StepInputs:
+    """One validated step, host side: the filled buffer plus the numbers that size the kernels."""
+
+    layout: StepLayout
+    host: torch.Tensor  # uint8 [layout.nbytes], pinned on CUDA
+    num_tokens: int
+    num_decode: int  # the first num_decode tokens are single-token decodes (padding included)
+    decode_max_context_len: int
+    prefill_max_query_len: int
+    prefill_max_context_len: int
+    # (q_start, q_end, context_len) per prefill sequence, relative to num_decode (the CPU backend).
+    prefill_spans: list[tuple[int, int, int]]
+    rows: list[SampleRow]  # what to sample, in the order of sample_idx
+    owners: list[str]  # seq_id of each row
+    num_copies: int = 0
+    graph_batch: int | None = None  # a decode-only step padded to this captured batch size
+    num_real_decodes: int = 0
+
+    def upload(self, device: torch.device) -> StepTensors:
+        """The one host-to-device copy of the step (non-blocking from pinned memory; none on the CPU)."""
+        buf = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
+        return self.layout.tensors(buf)
+
+
+class StepInputBuilder:
+    """Turns a SchedulerOutput into StepInputs, validating it against the pool and the model.
+
+    The common case is checked as it is laid out: scalar fields per sequence, token and block ids as
+    one 64-bit array each (which refuses a float, string, None or oversized int), KV slots for
+    duplicates. Only when that fails does `find_faults` walk the step to name every fault. Integers
+    are Python's: a bool counts as one.
+    """
+
+    def __init__(self, limits: StepLimits, device: torch.device):
+        self.limits = limits
+        self.pin = device.type == "cuda"
+
+    def _fail(self, out: SchedulerOutput) -> InvalidStepError:
+        faults = find_faults(out, self.limits)
+        # The fast check and the field-by-field walk follow the same rules; should they ever disagree,
+        # the step is still refused rather than run.
+        return InvalidStepError.from_faults(faults or [StepFault(None, "step", "malformed step (no field named)")])
+
+    def _alloc(self, layout: StepLayout) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return host, layout.host_views(host.numpy())
+
+    def build(self, out: SchedulerOutput, graph_batch_for=None) -> StepInputs:
+        """`graph_batch_for(num_decodes, max_context_len)`: the captured batch size a decode-only step
+        may be padded to (None: run it eagerly)."""
+        try:
+            return self._build(out, graph_batch_for)
+        except _Refused:
+            raise self._fail(out) from None
+        except (TypeError, ValueError, OverflowError, AttributeError, IndexError):
+            # Malformed beyond the fast checks (an unhashable id, a nested list, ...).
+            raise self._fail(out) from None
+
+    def _build(self, out: SchedulerOutput, graph_batch_for) -> StepInputs:
+        lim = self.limits
+        bs, max_len, vocab = lim.block_size, lim.max_model_len, lim.vocab_size
+        seqs = out.sequences
+        decodes, prefills = [], []
+        ok = len({s.seq_id for s in seqs}) == len(seqs)
+        for s in seqs:
+            n, start = len(s.token_ids), s.start_pos
+            ok = (ok and type(s.seq_id) is str and type(s.token_ids) is list and type(s.block_table) is list
+                  and isinstance(start, int) and n >= 1 and start >= 0
+                  and start + n <= max_len and len(s.block_table) * bs >= start + n
+                  and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
+                  and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
+            if s.sample is True:
+                banned = s.banned_token_ids
+                ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
+                      and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab)
+                if ok and banned:
+                    self._ints(banned, INDEX_LIMIT)
+            elif s.sample is not False:
+                ok = False
+            if not ok:
+                raise _Refused
+            (decodes if n == 1 else prefills).append(s)
+        pairs = out.blocks_to_copy
+        if pairs and not self._copies_ok(pairs):
+            raise _Refused
+        # Decodes that share prefix blocks sit next to each other, so the attention kernel finds the
+        # shared blocks still in cache when it reaches the next sequence of the group. (Every table has
+        # a first block by now; one that cannot be compared raises TypeError: refused below.)
+        decodes.sort(key=lambda s: s.block_table[0])
+        decode_blocks, prefill_blocks = self._table_entries(decodes), self._table_entries(prefills)
+        nd, npf = len(decodes), len(prefills)
+        decode_max = max((s.start_pos + 1 for s in decodes), default=0)
+        batch = None
+        if graph_batch_for is not None and not npf and not pairs and nd and all(
+                s.sample and s.num_samples == 1 for s in decodes):
+            batch = graph_batch_for(nd, decode_max)
+        if batch is not None:
+            return self._decode_graph_step(decodes, decode_blocks, batch)
+        return self._eager_step(out, decodes, prefills, decode_blocks, prefill_blocks, decode_max)
+
+    def _copies_ok(self, pairs) -> bool:
+        nb = self.limits.num_kv_blocks
+        srcs = {p[0] for p in pairs}
+        dsts = {p[1] for p in pairs}
+        return (len(dsts) == len(pairs) and not srcs & dsts and all(
+            len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], int) and 0 <= p[0] < nb and 0 <= p[1] < nb
+            for p in pairs))
+
+    def _ints(self, values: list, hi: int) -> np.ndarray:
+        """`values` as int64, every one an integer in [0, hi); else the step is refused (array.array
+        raises TypeError for a float, string or None and OverflowError past 64 bits)."""
+        if not values:
+            return np.zeros(0, dtype=np.int64)
+        arr = np.frombuffer(array.array("q", values), dtype=np.int64)
+        if arr.min() < 0 or arr.max() >= hi:
+            raise _Refused
+        return arr
+
+    def _table_entries(self, seqs) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, every entry concatenated) of the sequences' block tables, checked."""
+        lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+        return lens, self._ints(list(chain.from_iterable(s.block_table for s in seqs)), self.limits.num_kv_blocks)
+
+    @staticmethod
+    def _fill_tables(dst: np.ndarray, entries) -> None:
+        lens, flat = entries
+        dst.fill(0)  # padding columns name block 0: valid memory, never read past a context
+        dst[:len(lens)][np.arange(dst.shape[1])[None, :] < lens[:, None]] = flat
+
+    def _rows(self, ordered) -> tuple[list[int], list[SampleRow], list[str]]:
+        """The last token of each sequence that samples, once per requested sample."""
+        sample_idx, rows, owners = [], [], []
+        end = 0
+        for s in ordered:
+            end += len(s.token_ids)
+            if s.sample:
+                for j in range(s.num_samples):
+                    sample_idx.append(end - 1)
+                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
+                    owners.append(s.seq_id)
+        return sample_idx, rows, owners
+
+    def _decode_slots(self, v, decodes, entries) -> np.ndarray:
+        """Fill the decode rows' tables, positions and context lengths; returns their KV slots."""
+        bs, nd = self.limits.block_size, len(decodes)
+        dt = v["decode_block_tables"]
+        self._fill_tables(dt, entries)
+        pos = np.fromiter((s.start_pos for s in decodes), dtype=np.int64, count=nd)
+        v["positions"][:nd] = pos
+        v["decode_context_lens"][:nd] = pos + 1
+        return dt[np.arange(nd), pos // bs].astype(np.int64) * bs + pos % bs
+
+    def _eager_step(self, out, decodes, prefills, decode_blocks, prefill_blocks, decode_max: int) -> StepInputs:
+        bs = self.limits.block_size
+        nd, npf = len(decodes), len(prefills)
+        q_lens = [len(s.token_ids) for s in prefills]
+        num_tokens = nd + sum(q_lens)
+        sample_idx, rows, owners = self._rows(decodes + prefills)
+        pairs = out.blocks_to_copy
+        layout = StepLayout.of(
+            num_tokens=num_tokens, num_samples=len(sample_idx), num_decode=nd,
+            decode_width=int(decode_blocks[0].max(initial=0)), num_prefill=npf,
+            prefill_width=int(prefill_blocks[0].max(initial=0)), num_copies=len(pairs))
+        host, v = self._alloc(layout)
+        tokens = [s.token_ids[0] for s in decodes]
+        tokens += chain.from_iterable(s.token_ids for s in prefills)
+        v["input_ids"][:] = self._ints(tokens, self.limits.vocab_size)
+        v["sample_idx"][:] = sample_idx
+        if pairs:
+            v["copy_src"][:] = [p[0] for p in pairs]
+            v["copy_dst"][:] = [p[1] for p in pairs]
+        slots = v["slot_mapping"]
+        if nd:
+            slots[:nd] = self._decode_slots(v, decodes, decode_blocks)
+        spans, max_q, max_ctx = [], 0, 0
+        if npf:
+            pt = v["prefill_block_tables"]
+            self._fill_tables(pt, prefill_blocks)
+            starts = np.fromiter((s.start_pos for s in prefills), dtype=np.int64, count=npf)
+            lens = np.asarray(q_lens, dtype=np.int64)
+            qsl = v["prefill_query_start_loc"]
+            qsl[0] = 0
+            np.cumsum(lens, out=qsl[1:], dtype=np.int32)
+            ctx = starts + lens
+            v["prefill_context_lens"][:] = ctx
+            row = np.repeat(np.arange(npf), lens)
+            pos = np.arange(num_tokens - nd, dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64) - starts, lens)
+            v["positions"][nd:] = pos
+            slots[nd:] = pt[row, pos // bs].astype(np.int64) * bs + pos % bs
+            bounds, ctx_list = qsl.tolist(), ctx.tolist()
+            spans = [(bounds[i], bounds[i + 1], ctx_list[i]) for i in range(npf)]
+            max_q, max_ctx = int(lens.max()), int(ctx.max())
+        if np.unique(slots).size != slots.size:
+            raise _Refused  # two sequences writing one KV slot: a copy-on-write the scheduler forgot
+        return StepInputs(layout, host, num_tokens, nd, decode_max, max_q, max_ctx, spans, rows, owners,
+                          num_copies=len(pairs), num_real_decodes=nd)
+
+    def _decode_graph_step(self, decodes, decode_blocks, batch: tuple[int, int]) -> StepInputs:
+        """A decode-only step padded to a captured batch size: padding rows write nowhere (slot -1),
+        attend to one position of block 0 and are never sampled."""
+        size, width = batch
+        nd = len(decodes)
+        layout = decode_graph_layout(size, width)
+        host, v = self._alloc(layout)
+        ids, slots = v["input_ids"], v["slot_mapping"]
+        ids[:nd] = self._ints([s.token_ids[0] for s in decodes], self.limits.vocab_size)
+        ids[nd:] = 0
+        slots[:nd] = self._decode_slots(v, decodes, decode_blocks)
+        if np.unique(slots[:nd]).size != nd:
+            raise _Refused
+        slots[nd:] = -1
+        v["positions"][nd:] = 0
+        v["decode_context_lens"][nd:] = 1
+        v["sample_idx"][:] = np.arange(size)
+        _, rows, owners = self._rows(decodes)
+        return StepInputs(layout, host, size, size, width * self.limits.block_size, 0, 0, [], rows, owners,
+                          graph_batch=size, num_real_decodes=nd)
+
+
+class _Refused(Exception):
+    """The fast check failed: `find_faults` says why."""
+
+
+def decode_graph_layout(size: int, width: int) -> StepLayout:
+    """The buffer of a captured decode graph: `size` single-token rows, tables `width` blocks wide."""
+    return StepLayout.of(num_tokens=size, num_samples=size, num_decode=size, decode_width=width, num_prefill=0,
+                         prefill_width=0)
+
+
+def padding_step(size: int, width: int, block_size: int) -> StepInputs:
+    """A decode step of `size` padding rows only: what graphs are warmed up and captured with (it writes
+    no KV slot and reads only position 0 of block 0)."""
+    layout = decode_graph_layout(size, width)
+    host = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    v = layout.host_views(host.numpy())
+    v["slot_mapping"][:] = -1
+    v["decode_context_lens"][:] = 1
+    v["sample_idx"][:] = np.arange(size)
+    return StepInputs(layout, host, size, size, width * block_size, 0, 0, [], [], [], graph_batch=size)
