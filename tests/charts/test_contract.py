@@ -144,6 +144,7 @@ def test_shared_values_agree_across_services(variant):
     else:
         assert router.model == engine.model
     assert scheduler.max_model_len == engine.max_model_len
+    assert scheduler.max_num_seqs == engine.max_num_seqs  # the engine's CUDA graphs cover its largest batch
     assert scheduler.engine == f"tcp://127.0.0.1:{engine.port}"
     assert scheduler.max_body_bytes == router.max_body_bytes
     for name in ("router", "scheduler", "engine"):
