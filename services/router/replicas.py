@@ -113,6 +113,10 @@ class ReplicaView:
         if self._index_down:
             log.info("prefix index reachable again; prefix routing resumed")
             self._index_down = False
+            # A Redis back from an outage may be empty until every replica's next heartbeat: the grace
+            # counts from now, not from the last good read before the outage.
+            if self._last:
+                self._last_at = now
         if states or now - self._last_at > EMPTY_GRACE:
             self._last, self._last_at = [ReplicaState(s.info, s.load, 0) for s in states], now
             return states

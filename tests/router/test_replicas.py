@@ -1,0 +1,49 @@
+"""The router's registry view through a Redis outage: the last good view serves while Redis is down,
+and also while it is back but still empty, until the replicas' next heartbeats re-register them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.registry.model import ReplicaInfo, ReplicaLoad, ReplicaState
+from services.router import replicas
+from services.router.metrics import RouterMetrics
+from services.router.replicas import ReplicaView
+
+
+class FlakyIndex:
+    def __init__(self):
+        self.mode = "up"
+        self.state = ReplicaState(ReplicaInfo("a", "http://127.0.0.1:1", "m", 16, 2048, 8, 1), ReplicaLoad())
+
+    async def snapshot(self, block_hashes):
+        if self.mode == "down":
+            raise ConnectionError("Redis is down")
+        return [self.state] if self.mode == "up" else []
+
+    async def claim(self, replica_id, block_hashes):
+        pass
+
+
+def test_an_empty_registry_right_after_an_outage_does_not_empty_the_view(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(replicas.time, "monotonic", lambda: clock[0])
+    index = FlakyIndex()
+    view = ReplicaView(index, RouterMetrics())
+
+    async def ids() -> list[str]:
+        return [s.info.replica_id for s in await view.snapshot([])]
+
+    async def main():
+        assert await ids() == ["a"]
+        index.mode, clock[0] = "down", clock[0] + 1
+        assert await ids() == ["a"]  # down: the last view serves
+        clock[0] += 20  # a long outage, far past the empty-registry grace since the last good read
+        index.mode = "empty"  # Redis is back, restarted empty; replicas re-register at their next beat
+        assert await ids() == ["a"]
+        clock[0] += replicas.EMPTY_GRACE - 1
+        assert await ids() == ["a"]
+        clock[0] += 2  # still empty well after it came back: the replicas really are gone
+        assert await ids() == []
+
+    asyncio.run(main())
