@@ -26,6 +26,13 @@ _SERVICES = {
 }
 
 
+def _add_engine_worker(sub) -> None:
+    p = sub.add_parser("engine-worker", help="one tensor-parallel rank other than 0 (started by the engine, or "
+                       "on another machine of a group that spans machines)")
+    S.add_options(p, S.ENGINE_WORKER_OPTIONS, None)
+    p.set_defaults(handler="services.commands.engine_worker:run")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline from a prompt")
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched together)")
@@ -133,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         S.add_options(p, options, port)
         p.set_defaults(handler=handler)
+    _add_engine_worker(sub)
     _add_up(sub)
     _add_generate(sub)
     _add_bench(sub)
