@@ -1,9 +1,10 @@
-"""What loading a rank's weights cost in memory: the weights' bytes, the KV cache's, and the peak.
+"""What a rank's weights and KV cache take, and how much memory the process held before loading.
 
-The peak is measured, not computed: on the CPU the growth of the process's peak resident set while
-the weights load (Linux: VmHWM is reset first through /proc/self/clear_refs, so what ran before in
-this process does not count), on CUDA the device's peak allocation. With tensor parallelism every
-rank reports its own, and rank 0 logs them side by side (a rank must hold 1/N of the weights).
+`weight_bytes` and `kv_cache_bytes` are the tensors' sizes; `start_bytes` is what was already in use
+when loading began (the process's resident set on the CPU, the device's allocations on CUDA), so that
+peak minus start is what this rank's model cost, measured. With tensor parallelism every rank reports
+its own and rank 0 logs them side by side: a rank holds 1/N of the weights. (On the CPU a float32
+checkpoint stays mapped from its file, paged in at the first forward: the peak is read after it.)
 """
 
 from __future__ import annotations
@@ -13,56 +14,36 @@ from pathlib import Path
 
 import torch
 
-_STATUS = Path("/proc/self/status")
-
 
 @dataclass(frozen=True)
 class RankMemory:
     rank: int
     weight_bytes: int
     kv_cache_bytes: int
-    load_peak_bytes: int  # -1: not measurable here
+    start_bytes: int  # -1: unknown
 
     def describe(self) -> str:
-        peak = "n/a" if self.load_peak_bytes < 0 else f"{self.load_peak_bytes / 2**20:.1f} MiB"
         return (f"rank {self.rank}: weights {self.weight_bytes / 2**20:.1f} MiB, KV cache "
-                f"{self.kv_cache_bytes / 2**20:.1f} MiB, peak while loading {peak}")
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB")
 
 
-def _status_kib(field: str) -> int | None:
+def _status_bytes(pid: int | str, field: str) -> int:
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    return -1
 
 
-class LoadPeak:
-    """Brackets the loading: `start()` before, `bytes()` after."""
+def memory_in_use(device: torch.device) -> int:
+    """The process's resident set (CPU) or the device's allocated bytes (CUDA); -1 where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _status_bytes("self", "VmRSS")
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.base: int | None = None
 
-    def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        except OSError:
-            self.base = None
-            return
-        rss = _status_kib("VmRSS")
-        self.base = None if rss is None else rss * 1024
-
-    def bytes(self) -> int:
-        if self.base is None:
-            return -1
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) - self.base
-        peak = _status_kib("VmHWM")
-        return -1 if peak is None else peak * 1024 - self.base
+def peak_resident(pid: int | str = "self") -> int:
+    """A process's peak resident set so far (Linux VmHWM); -1 where unknown."""
+    return _status_bytes(pid, "VmHWM")

@@ -24,7 +24,7 @@ import kernels.cpu as cpu_kernels
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
-from services.engine.load_memory import LoadPeak, RankMemory
+from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.model_loader import load_llama, random_llama, read_config
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
@@ -95,8 +95,7 @@ class ModelRunner:
         backend = resolve_backend(config.attention_backend, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")
-        peak = LoadPeak(self.device)
-        peak.start()
+        start_bytes = memory_in_use(self.device)
         if random_weights is None and config.load_format == "random":
             random_weights = read_config(resolve_model(config.model))
         if random_weights is None:
@@ -107,7 +106,6 @@ class ModelRunner:
             self.model_dir, hf_cfg = None, random_weights
             self.model = random_llama(hf_cfg, self.dtype, self.device, backend, group=group)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
-        load_peak = peak.bytes()
         if group is not None:
             group.connect()  # every rank has its shard by now
         cfg = self.model.config
@@ -126,7 +124,7 @@ class ModelRunner:
         self.kv_caches = [(self.arena[i, 0], self.arena[i, 1]) for i in range(cfg.num_layers)]
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.memory = [RankMemory(0 if group is None else group.rank, self.model.weight_bytes,
-                                  self.arena.numel() * self.arena.element_size(), load_peak)]
+                                  self.arena.numel() * self.arena.element_size(), start_bytes)]
         if group is not None:
             self.memory = self._check_group_geometry()
         # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
@@ -165,7 +163,7 @@ class ModelRunner:
         cfg = self.model.config
         mine = self.memory[0]
         rows = self.group.all_gather_ints([self.num_kv_blocks, self.max_model_len, cfg.vocab_size, self.block_size,
-                                           mine.weight_bytes, mine.kv_cache_bytes, mine.load_peak_bytes])
+                                           mine.weight_bytes, mine.kv_cache_bytes, mine.start_bytes])
         if any(r[:4] != rows[0][:4] for r in rows):
             raise self.group.fail(f"ranks disagree on (KV blocks, max model length, vocabulary, block size): "
                                   f"{[r[:4] for r in rows]}")

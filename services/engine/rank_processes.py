@@ -36,11 +36,12 @@ class CpuShare:
     threads: int
 
 
-def cpu_shares(local_size: int) -> list[CpuShare] | None:
-    """One slice of this process's CPUs per local rank (None when there are fewer CPUs than ranks)."""
+def cpu_shares(local_size: int) -> list[CpuShare]:
+    """One slice of this process's CPUs per local rank; with fewer CPUs than ranks, all of them for
+    each rank but one thread each (more would spin against the other ranks on the same cores)."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < local_size:
-        return None
+        return [CpuShare(tuple(cpus), 1)] * local_size
     per = len(cpus) // local_size
     budget = os.environ.get("OMP_NUM_THREADS")
     threads = per if not (budget and budget.isdigit()) else max(1, min(per, int(budget) // local_size))

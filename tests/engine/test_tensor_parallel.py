@@ -3,13 +3,17 @@
 transformers' with chunked prefill, prefix caching and preemption active (GQA, replicated KV heads,
 QKV bias, a vocabulary that does not split evenly); seeded sampling reproducible as with one rank;
 SmolLM2's 9 heads refused at 2 ranks with the sizes that fit; a rank killed or hung mid-generation
-fails the call with a clear error within the timeout, never a hang."""
+fails the call with a clear error within the timeout, never a hang; each of two ranks' measured peak
+memory about half of one rank's."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +25,9 @@ from services import LLM, SamplingParams
 from services.engine.parallel_state import RankGroupError
 from services.engine.tp_shard import TensorParallelConfigError
 from tests.engine.conftest import hf_greedy, make_tiny_model
+from tests.engine.rank_memory_probe import write_random_llama
+
+REPO = Path(__file__).resolve().parents[2]
 
 VARIANTS = {
     # 4 query heads over 2 KV heads: one KV head per rank; 1001 rows do not split in two (padding).
@@ -155,3 +162,48 @@ def test_a_hung_rank_times_out_instead_of_hanging(tiny_model_dir):
     while _child_ranks():
         assert time.monotonic() < deadline, "the hung rank was left behind"
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_smollm2_at_three_ranks_matches_transformers(hf_smollm2):
+    """3 heads and 1 KV head per rank: SmolLM2's real weights, chunked prefill (a 370-token prompt
+    over a 128-token budget), a shared system prompt from the prefix cache, and a pool small enough
+    to preempt."""
+    with LLM(dtype="float32", tensor_parallel_size=3, num_kv_blocks=28, max_num_batched_tokens=128) as llm:
+        tok = llm.tokenizer
+        system = {"role": "system", "content": "You are a terse assistant who answers in one sentence. " * 4}
+        prompts = [tok.apply_chat_template([system, {"role": "user", "content": "Write a haiku about autumn."}]),
+                   tok.apply_chat_template([system, {"role": "user", "content": "What is a KV cache?"}]),
+                   tok.encode(" ".join(f"item{i}" for i in range(120))),
+                   tok.encode("The quick brown fox jumps over the lazy dog. " * 3)]
+        assert len(prompts[2]) > 256 and len(prompts[0]) >= 48
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
+        assert llm.core.scheduler.num_preemptions > 0
+        assert outs[1].num_cached_tokens >= 32
+        assert [m.weight_bytes for m in llm.runner.memory] == [llm.runner.memory[0].weight_bytes] * 3
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf_smollm2, p, 12), f"prompt of {len(p)} tokens diverged"
+
+
+def _probe(model_dir: Path, tp: int) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "tests.engine.rank_memory_probe", str(model_dir), str(tp)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_each_of_two_ranks_holds_half_the_weights(tmp_path):
+    """Measured in fresh processes after a prefill and a decode: each rank's peak resident set grows by
+    about half of what one rank's does (weights dominate this 170 MiB model; the rest is activations,
+    the KV cache and the runtime, which every rank has)."""
+    total = write_random_llama(tmp_path / "model")
+    one, two = _probe(tmp_path / "model", 1), _probe(tmp_path / "model", 2)
+    mib = 2 ** 20
+    print(f"weights {total / mib:.0f} MiB; peak RSS growth: 1 rank {one[0]['peak_growth_bytes'] / mib:.0f} MiB, "
+          f"2 ranks {[round(r['peak_growth_bytes'] / mib) for r in two]} MiB")
+    assert one[0]["weight_bytes"] == total
+    for rank in two:
+        assert abs(rank["weight_bytes"] / total - 0.5) < 0.005  # the norms are replicated
+        assert rank["peak_growth_bytes"] < 0.65 * one[0]["peak_growth_bytes"], (one, two)
+    assert one[0]["peak_growth_bytes"] > 0.6 * total, "the probe must page the weights in"
