@@ -69,6 +69,7 @@ def _add_bench(sub) -> None:
     t.add_argument("--scale", type=float, default=1.0, help="multiply the number of requests (quick runs)")
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks pagedserve's engine is split across")
     t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
     t.set_defaults(handler="services.bench.throughput:run")
     r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
