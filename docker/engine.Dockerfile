@@ -29,8 +29,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY kernels /src/kernels
-# The engine's extras: one line to change when the engine's dependencies get an extra of their own.
-RUN --mount=type=cache,target=/root/.cache/pip pip install "/src[triton]"
+# The engine's extras: torch and the model stack (engine) and the Triton kernels (triton).
+RUN --mount=type=cache,target=/root/.cache/pip pip install "/src[engine,triton]"
 RUN python -c "import torch, triton; \
 assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build: the engine image needs CUDA'; \
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"

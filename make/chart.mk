@@ -1,9 +1,11 @@
 # Kubernetes packaging: the helm binary, the chart checks and the container images.
 #   make tools        helm into .tools/ (no cluster needed)
 #   make chart-check  helm lint --strict, render every variant, schema-validate, semantic tests
+#   make chart-e2e    run the rendered pods as local processes, the way a kubelet would (tests/chart_e2e)
+#   make chart-readme rewrite the values table of charts/pagedserve/README.md from values.yaml
 #   make images       docker build the router, scheduler and engine images
 
-.PHONY: tools chart-check images
+.PHONY: tools chart-check chart-e2e chart-readme images
 
 TOOLS_DIR := .tools
 HELM := $(TOOLS_DIR)/helm
@@ -40,6 +42,15 @@ $(HELM):
 chart-check: install tools
 	$(HELM) lint --strict $(CHART)
 	$(PY) -m pytest -q tests/charts
+
+# Renders the chart with CPU values (2 replicas), builds one virtualenv per image the way its Dockerfile
+# installs the package (cached in .venv-images/, keyed by pyproject.toml and the Dockerfiles), and runs
+# each container's command, env, volumes and probes as local processes; prints what each scenario counted.
+chart-e2e: install tools
+	$(PY) -m pytest -q -s tests/chart_e2e
+
+chart-readme: install
+	$(PY) -m tests.charts.values_doc
 
 # Image names: $(IMAGE_PREFIX)/<service>:$(IMAGE_TAG); the chart's default tag is its appVersion,
 # which equals the package version.

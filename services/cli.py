@@ -56,6 +56,30 @@ def _add_up(sub) -> None:
     p.set_defaults(handler="services.commands.up:run")
 
 
+def _add_pod_tools(sub) -> None:
+    """Commands the Helm chart runs beside the services: model conversion, probes, preStop hooks."""
+    c = sub.add_parser("convert", help="convert a GGUF model once into a safetensors directory (or its tokenizer)")
+    c.add_argument("--model", default=None, help="a .gguf file or a directory holding one (default: bundled SmolLM2)")
+    c.add_argument("--output", required=True, help="directory to write (a converted one is kept as it is)")
+    c.add_argument("--tokenizer-only", action="store_true",
+                   help="tokenizer, chat template and config only: what the router and scheduler read")
+    c.add_argument("--log-level", default="info", choices=S.LOG_LEVEL.choices)
+    c.set_defaults(handler="services.commands.convert:run")
+    p = sub.add_parser("probe", help="health probes for Kubernetes exec probes (exit 0: healthy)")
+    psub = p.add_subparsers(dest="probe_target", required=True)
+    e = psub.add_parser("engine", help="a `health` round trip on the engine's step protocol")
+    e.add_argument("--engine", default=S.ENGINE_URL.default, help="engine step endpoint")
+    e.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    e.add_argument("--internal-token-file", default=None,
+                   help="the engine's internal token (only an engine bound beyond loopback requires one)")
+    e.set_defaults(handler="services.commands.probe:run")
+    w = sub.add_parser("wait-for-disconnect", help="preStop hook: wait until no client is connected to the engine")
+    w.add_argument("--engine", default=S.ENGINE_URL.default, help="the engine's listening address")
+    w.add_argument("--timeout", type=float, required=True, help="seconds to wait at most")
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
+    w.set_defaults(handler="services.commands.prestop:run")
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_kind", required=True)
@@ -143,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
     _add_engine_worker(sub)
     _add_up(sub)
+    _add_pod_tools(sub)
     _add_generate(sub)
     _add_bench(sub)
     return parser

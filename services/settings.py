@@ -96,6 +96,9 @@ REQUEST_TIMEOUT = Option("--request-timeout", "seconds before an upstream reques
                          default=600.0)
 DRAIN_TIMEOUT = Option("--drain-timeout", "seconds to finish in-flight requests after SIGTERM before exiting",
                        type=float, default=30.0)
+COLD_START_TIMEOUT = Option("--cold-start-timeout",
+                            "seconds a request is held while no replica is ready (scale from zero) before a 503; "
+                            "0: answer 503 at once", type=float, default=0.0)
 ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
                         type=float, default=120.0)
 INTERNAL_TOKEN_FILE = Option("--internal-token-file", "file holding the token routers and schedulers share: "
@@ -124,9 +127,8 @@ SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, R
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
                      INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
 ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, INTERNAL_TOKEN_FILE,
-                  INTERNAL_TOKEN,
-                  DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, MAX_BODY_BYTES, REQUEST_TIMEOUT,
-                  DRAIN_TIMEOUT, LOG_LEVEL)
+                  INTERNAL_TOKEN, DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT,
+                  MAX_BODY_BYTES, REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
                  ATTENTION_BACKEND, ENFORCE_EAGER, TENSOR_PARALLEL_SIZE, TP_TIMEOUT, *_SCHEDULING, API_KEYS_FILE,
                  API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE, LOG_LEVEL)
@@ -157,9 +159,15 @@ def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], po
                                 help=help_text)
 
 
+# Env vars read outside this table: the cache root (services.model_source, kernels.cpu.build) and the
+# CPU kernels' switches and build wait (kernels.cpu).
+OTHER_ENV_VARS = frozenset({"PAGEDSERVE_PORT", "PAGEDSERVE_CACHE_DIR", "PAGEDSERVE_CPU_KERNELS", "PAGEDSERVE_CPU_AMX",
+                            "PAGEDSERVE_KERNEL_BUILD_TIMEOUT"})
+
+
 def all_env_vars() -> set[str]:
     """Every env var any service reads (the chart's tests check against this)."""
-    names = {"PAGEDSERVE_PORT", "PAGEDSERVE_CACHE_DIR"}
+    names = set(OTHER_ENV_VARS)
     for group in (ENGINE_OPTIONS, ENGINE_WORKER_OPTIONS, SCHEDULER_OPTIONS, ROUTER_OPTIONS, SERVE_OPTIONS):
         names.update(opt.env for opt in group)
     return names

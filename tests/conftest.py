@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.commands.redis_binary import find_redis_server, missing_message
 from services.ports import free_port
 
 # Triton kernels (kernel tests, the engine on its Triton backend) run through Triton's CPU interpreter.
@@ -33,9 +34,9 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
-        exe = shutil.which("redis-server")
+        exe = find_redis_server()
         if exe is None:
-            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+            pytest.fail(missing_message())
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def router_config(args) -> RouterConfig:
     return RouterConfig(policy=args.policy, cache_isolation=args.cache_isolation, max_queue=args.max_queue,
-                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
+                        max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                        cold_start_timeout=args.cold_start_timeout)
 
 
 def run(args) -> int:
@@ -50,6 +51,8 @@ def run(args) -> int:
     except ValueError as exc:  # a configuration that cannot be served safely: say so and stop
         raise SystemExit(f"pagedserve router: {exc}") from None
     server = make_server(create_router_app(service), args.host, args.port, args.drain_timeout, args.log_level)
-    log.info("router on %s:%d, policy %s, registry %s", args.host, args.port, args.policy, redacted(args.redis_url))
+    log.info("router on %s:%d, policy %s, registry %s%s", args.host, args.port, args.policy, redacted(args.redis_url),
+             f", holding requests up to {args.cold_start_timeout:g}s while no replica is ready"
+             if args.cold_start_timeout else "")
     asyncio.run(run_servers([server]))
     return 0

@@ -1,7 +1,8 @@
 """`pagedserve scheduler`: continuous batching for one remote engine, behind the OpenAI HTTP API.
 
-HTTP is up at once and answers 503 until the engine's handshake (it may still be loading weights),
-which is what Kubernetes' startup probe waits for. With --redis-url the replica registers itself,
+HTTP is up at once: /live answers 200 while the process's event loop runs (the liveness probe), and
+/health 503 until the engine's handshake (it may still be loading weights) and whenever the engine
+fails (the readiness probe). With --redis-url the replica registers itself,
 heartbeats its load and publishes its cached blocks for routers.
 """
 
@@ -13,7 +14,7 @@ import socket
 
 from services.internal_auth import InternalToken
 from services.model_source import resolve_tokenizer
-from services.openai_api.server import StartingApp, make_server, run_servers
+from services.openai_api.server import LivenessApp, StartingApp, make_server, run_servers
 from services.replica.service import ReplicaSettings, build_replica
 from services.tokenizer import ModelTokenizer
 from services.transport.remote_executor import RemoteExecutor
@@ -52,7 +53,8 @@ async def _main(args) -> None:
     settings = replica_settings(args)
     executor = RemoteExecutor(args.engine, timeout=args.engine_timeout, token=settings.internal_token)
     starting = StartingApp("the engine is not ready yet")
-    server = make_server(starting, args.host, args.port, args.drain_timeout, args.log_level, lifespan="off")
+    server = make_server(LivenessApp(starting), args.host, args.port, args.drain_timeout, args.log_level,
+                         lifespan="off")
     publishers: list = []
 
     async def leave_registry() -> None:

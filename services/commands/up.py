@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import httpx
 
 from services.commands.processes import ENGINE_FLAGS, Child, flags
+from services.commands.redis_binary import find_redis_server, missing_message
 from services.internal_auth import InternalToken
 from services.ports import free_port
 from services.registry.redis_sink import redacted
@@ -48,10 +48,9 @@ class LocalCluster:
     def _plan(self) -> None:
         a = self.args
         if not self.redis_url:
-            exe = shutil.which("redis-server")
+            exe = find_redis_server()
             if exe is None:
-                raise SystemExit("redis-server not found: install it (apt-get install -y redis-server) or pass "
-                                 "--redis-url")
+                raise SystemExit(f"pagedserve up: {missing_message()}")
             port = free_port()
             password = secrets.token_urlsafe(24)
             # The password goes in through stdin ("-" reads config from it), not argv, which /proc shows.

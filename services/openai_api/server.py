@@ -71,6 +71,28 @@ async def run_servers(servers: list[uvicorn.Server], background: list[Coroutine]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# Liveness of the process itself (its event loop answers), apart from /health, which reports whether
+# the whole chain behind it can serve. Kubernetes restarts on the first and routes on the second.
+LIVENESS_PATH = "/live"
+
+
+class LivenessApp:
+    """Answers LIVENESS_PATH from the event loop itself, before and after start-up, and hands everything
+    else to `app`: a scheduler whose engine is loading or restarting is alive (not ready), one whose
+    loop is blocked or dead is not."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == LIVENESS_PATH:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"alive": true}'})
+            return
+        await self.app(scope, receive, send)
+
+
 class StartingApp:
     """An ASGI app that answers 503 until `target` is set (the engine is still loading weights), then
     delegates to it; Kubernetes' startup probe and routers see a clear "not yet"."""

@@ -1,7 +1,14 @@
-"""The bounded queue in front of saturated replicas: wait for room, or 429 past the bound.
+"""The bounded queue in front of the replicas: wait for room, or for a first replica, or 429 past the bound.
 
-Waiting here rather than in one replica's queue keeps the choice open: a queued request goes to
-whichever replica frees up first. Waiters re-check on every local completion and every POLL seconds
+A request waits here in one of two states:
+- queued: replicas exist but all are saturated. Waiting here rather than in one replica's queue keeps
+  the choice open: it goes to whichever replica frees up first, within the request timeout.
+- held: no replica is ready at all (scale from zero, or every replica restarting). With a cold-start
+  timeout the request waits for the first replica instead of a 503 at once; the `held` gauge is the
+  signal that scales the replicas up from zero (it exists at 0 from the start, so a single request
+  shows as a step from 0 to 1, which a lazily created 503 counter never does).
+
+Both states share one bound (`max_queue`). Waiters re-check on every local completion and every poll
 (completions of other routers' requests show up only in the registry).
 """
 
@@ -10,48 +17,108 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from services.openai_api.errors import APIError
 from services.router.metrics import RouterMetrics
+from services.router.replicas import NoReplicasError
 
 POLL = 0.05
+# Held requests wait for a pod to start (seconds to minutes): re-reading the registry 4 times a second
+# each is plenty and keeps hundreds of held requests from hammering it.
+HOLD_POLL = 0.25
 RETRY_AFTER_SECONDS = 1
+
+T = TypeVar("T")
+_QUEUED, _HELD = "queued", "held"
 
 
 class Admission:
-    def __init__(self, max_queue: int, metrics: RouterMetrics):
+    def __init__(self, max_queue: int, metrics: RouterMetrics, cold_start_timeout: float = 0.0):
+        assert max_queue >= 0 and cold_start_timeout >= 0
         self.max_queue = max_queue
+        self.cold_start_timeout = cold_start_timeout
         self.metrics = metrics
-        self.waiting = 0
+        self.counts = {_QUEUED: 0, _HELD: 0}
         self._wake = asyncio.Event()
+        metrics.queue_depth.set(0)
+        metrics.held.set(0)
 
-    async def admit(self, pick: Callable[[], Awaitable[list | None]], timeout: float) -> list:
-        """`pick()` returns ranked replicas with room, or None when all are saturated."""
-        ranked = await pick()
-        if ranked is not None:
-            return ranked
-        if self.waiting >= self.max_queue:
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room on a saturated replica."""
+        return self.counts[_QUEUED]
+
+    @property
+    def held(self) -> int:
+        """Requests waiting for a first ready replica."""
+        return self.counts[_HELD]
+
+    async def admit(self, pick: Callable[[], Awaitable[T | None]], timeout: float,
+                    arrived: float | None = None) -> T:
+        """`pick()` returns what the request needs (ranked replicas with room, a model identity), None when
+        every replica is saturated, or raises NoReplicasError when none is ready. Queued requests give up
+        `timeout` seconds after they started waiting, held ones `cold_start_timeout` after `arrived`."""
+        arrived = time.monotonic() if arrived is None else arrived
+        state, result, error = await self._try(pick)
+        if state is None:
+            return result
+        if self.waiting + self.held >= self.max_queue:
+            if error is not None:
+                raise error
             raise APIError(429, f"all replicas are saturated and {self.waiting} requests are already queued; "
                            "retry later", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        self.waiting += 1
-        self.metrics.queue_depth.set(self.waiting)
-        deadline = time.monotonic() + timeout
+        queued_since = time.monotonic() if state == _QUEUED else None
+        self._enter(state)
         try:
             while True:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), POLL)
-                except asyncio.TimeoutError:
-                    pass
-                ranked = await pick()
-                if ranked is not None:
-                    return ranked
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if state == _HELD and now - arrived >= self.cold_start_timeout:
+                    raise NoReplicasError(f"no replica became ready within {self.cold_start_timeout:g}s")
+                if state == _QUEUED and now - queued_since > timeout:
                     raise APIError(503, f"no replica had room within {timeout:g}s", code="queue_timeout",
                                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), POLL if state == _QUEUED else HOLD_POLL)
+                except asyncio.TimeoutError:
+                    pass
+                new_state, result, _ = await self._try(pick)
+                if new_state is None:
+                    return result
+                if new_state != state:
+                    self._leave(state)
+                    self._enter(new_state)
+                    if new_state == _QUEUED and queued_since is None:
+                        queued_since = time.monotonic()
+                    state = new_state
         finally:
-            self.waiting -= 1
-            self.metrics.queue_depth.set(self.waiting)
+            self._leave(state)
+
+    async def _try(self, pick) -> tuple[str | None, object, NoReplicasError | None]:
+        """(None, result, None) when admitted; else the state to wait in (and the error when held)."""
+        try:
+            result = await pick()
+        except NoReplicasError as exc:
+            if not self.cold_start_timeout:
+                raise
+            return _HELD, None, exc
+        if result is None:
+            return _QUEUED, None, None
+        return None, result, None
+
+    def _enter(self, state: str) -> None:
+        self.counts[state] += 1
+        self._publish()
+
+    def _leave(self, state: str) -> None:
+        self.counts[state] -= 1
+        assert self.counts[state] >= 0, self.counts
+        self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.queue_depth.set(self.waiting)
+        self.metrics.held.set(self.held)
 
     def released(self) -> None:
         """A request finished here: queued ones may fit now."""

@@ -33,6 +33,6 @@ def create_router_app(service: RouterService,
         # The router itself is healthy without replicas (it answers 503s clearly); report them for humans.
         replicas = await service.view.snapshot([])
         return JSONResponse({"healthy": True, "replicas": sorted(r.info.replica_id for r in replicas),
-                             "queue_depth": service.admission.waiting})
+                             "queue_depth": service.admission.waiting, "held": service.admission.held})
 
     return app

@@ -9,6 +9,7 @@ route blindly. A broken watch keeps the last known view and reconnects with back
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from urllib.parse import urlparse
@@ -72,11 +73,15 @@ class EndpointSliceDiscovery:
 
     # -- the watch --------------------------------------------------------------------------------
     def start(self, api=None, watcher_factory=None) -> None:
-        """Watch in a daemon thread; `api`/`watcher_factory` default to the in-cluster kubernetes client."""
+        """Watch in a daemon thread; `api`/`watcher_factory` default to the kubernetes client, configured
+        from $KUBECONFIG when set (a router run outside the cluster), else from the pod's service account."""
         if api is None:
             from kubernetes import client, config, watch
 
-            config.load_incluster_config()
+            if os.environ.get("KUBECONFIG"):
+                config.load_kube_config()
+            else:
+                config.load_incluster_config()
             api, watcher_factory = client.DiscoveryV1Api(), watch.Watch
         threading.Thread(target=self._run, args=(api, watcher_factory), name="endpointslice-watch",
                          daemon=True).start()

@@ -17,6 +17,8 @@ class RouterMetrics:
                                        registry=r)
         self.retries = Counter(M.ROUTER_RETRIES, "requests re-sent to another replica", registry=r)
         self.queue_depth = Gauge(M.ROUTER_QUEUE_DEPTH, "requests waiting for a replica with room", registry=r)
+        self.held = Gauge(M.ROUTER_REQUESTS_HELD, "requests held while no replica is ready (scale from zero)",
+                          registry=r)
         self.prefix_match = Histogram(M.ROUTER_PREFIX_MATCH_RATIO, "share of the prompt cached on the chosen "
                                       "replica", buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0), registry=r)
         self.healthy_replicas = Gauge(M.ROUTER_HEALTHY_REPLICAS, "replicas routable now", registry=r)

@@ -29,6 +29,14 @@ INDEX_RETRY = 0.5
 IDENTITY_REFRESH = 0.5
 
 
+class NoReplicasError(APIError):
+    """No replica is ready to take the request (none registered, healthy or allowed): the router may hold
+    it while replicas start (scale from zero) instead of refusing it at once."""
+
+    def __init__(self, message: str = "no healthy replica is registered"):
+        super().__init__(503, message, code="no_replicas", headers={"Retry-After": "1"})
+
+
 class ReplicaFilter(Protocol):
     def allows(self, info: ReplicaInfo) -> bool: ...
 
@@ -53,7 +61,7 @@ class ReplicaView:
     async def identity(self, model: str) -> tuple[ModelIdentity, int]:
         """The identity replicas serving `model` published, and their smallest max model length.
 
-        404 when replicas are registered but none serves `model`; 503 when none is registered at all.
+        404 when replicas are registered but none serves `model`; NoReplicasError when none is registered.
         """
         found = self._identity(model)
         if found is None and time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
@@ -66,7 +74,7 @@ class ReplicaView:
             names = sorted({s.info.model for s in self._last})
             raise APIError(404, f"The model `{model}` does not exist; served: {', '.join(names)}.", "model",
                            "model_not_found")
-        raise APIError(503, "no healthy replica is registered", code="no_replicas", headers={"Retry-After": "1"})
+        raise NoReplicasError()
 
     def _identity(self, model: str) -> tuple[ModelIdentity, int] | None:
         serving = [s.info for s in self._last if s.info.model == model]

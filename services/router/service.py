@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -27,7 +28,7 @@ from services.router.auth import ApiKeys
 from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
-from services.router.replicas import ReplicaFilter, ReplicaView, saturated
+from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class RouterConfig:
     max_queue: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float = 600.0
+    cold_start_timeout: float = 0.0  # hold requests this long while no replica is ready (scale from zero)
 
 
 def key_salt(api_key: bytes, client_salt: str | None) -> str:
@@ -63,7 +65,7 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.policy = make_policy(config.policy)
         self.view = ReplicaView(index, self.metrics, replica_filter)
-        self.admission = Admission(config.max_queue, self.metrics)
+        self.admission = Admission(config.max_queue, self.metrics, config.cold_start_timeout)
         self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
 
@@ -85,13 +87,16 @@ class RouterService:
             raise
 
     async def _route(self, request: Request, model_cls, path: str) -> Response:
+        arrived = time.monotonic()
         key = self.keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
         if self.config.cache_isolation == "per-key" and key is not None:
             # The key's own salt, before any the client chose: one key can never match another's blocks.
             req.cache_salt = body["cache_salt"] = key_salt(key, req.cache_salt)
-        identity, max_model_len = await self.view.identity(req.model)
+        # With no replica registered yet (scale from zero) the model's identity is unknown: hold here.
+        identity, max_model_len = await self.admission.admit(lambda: self.view.identity(req.model),
+                                                             self.config.request_timeout, arrived)
         prepared = await prepare_async(req, self.tokenizer, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
@@ -99,7 +104,8 @@ class RouterService:
         root = salted_seed(identity.hash_seed, req.cache_salt)
         route = RouteRequest(hash_blocks(ids, identity.block_size, root), len(ids),
                              identity.block_size, request.headers.get(SESSION_HEADER))
-        ranked = await self.admission.admit(lambda: self._pick(identity, route), self.config.request_timeout)
+        ranked = await self.admission.admit(lambda: self._pick(identity, route), self.config.request_timeout,
+                                            arrived)
         chosen = ranked[0]
         self.metrics.decisions.labels(self.policy.name, chosen.info.replica_id).inc()
         self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
@@ -110,8 +116,7 @@ class RouterService:
     async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:
         replicas = [r for r in await self.view.snapshot(route.block_hashes) if r.info.identity == identity]
         if not replicas:
-            raise APIError(503, f"no healthy replica of {identity.model} is registered", code="no_replicas",
-                           headers={"Retry-After": "1"})
+            raise NoReplicasError(f"no healthy replica of {identity.model} is registered")
         open_ = [r for r in replicas if not saturated(r)]
         if not open_:
             return None

@@ -30,7 +30,7 @@ def test_adapter_rules_expose_the_metric_the_hpa_reads():
     exposed = {}
     for rule in rules:
         (series,) = set(_METRIC.findall(rule["seriesQuery"]))
-        assert series in M.SCHEDULER_METRICS, f"{series} is not a scheduler metric"
+        assert series in M.ALL_METRICS, f"{series} is not a metric the services export"
         assert re.fullmatch(rule["name"]["matches"], series)
         exposed[rule["name"]["as"]] = rule
         # Per-pod metrics: the series' namespace and pod labels map to Kubernetes objects.
@@ -41,6 +41,14 @@ def test_adapter_rules_expose_the_metric_the_hpa_reads():
     hpa = next(o for o in parse_documents(helm("template", "llm", str(CHART), "--set", "autoscaling.enabled=true",
                                               check=True).stdout) if o["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] in exposed
+    # The routers' HPA on requests per second reads a rate of the routers' request counter.
+    router_hpa = next(o for o in parse_documents(helm(
+        "template", "llm", str(CHART), "--set", "router.autoscaling.enabled=true",
+        "--set", "router.autoscaling.targetRequestsPerSecond=20", check=True).stdout)
+        if o["kind"] == "HorizontalPodAutoscaler" and o["metadata"]["name"].endswith("-router"))
+    pods_metric = next(m for m in router_hpa["spec"]["metrics"] if m["type"] == "Pods")
+    rule = exposed[pods_metric["pods"]["metric"]["name"]]
+    assert M.ROUTER_REQUESTS in rule["seriesQuery"] and "rate(<<.Series>>" in rule["metricsQuery"]
 
 
 def _dashboard_exprs(dashboard: dict) -> dict[str, list[str]]:
@@ -139,7 +147,7 @@ def test_images_use_the_bases_the_services_need():
     for text in (router, scheduler):
         assert "ARG PYTHON_IMAGE=python:3.11-slim" in text and "/whl/cpu" in text
     assert "ARG CUDA_IMAGE=nvidia/cuda:" in engine and "-runtime-" in engine
-    assert '"/src[triton]"' in engine, "the engine image carries the Triton kernels"
+    assert '"/src[engine,triton]"' in engine, "the engine image carries torch, the model formats and Triton"
     assert "gcc" in engine, "Triton compiles its launcher with the system C compiler at run time"
 
 
@@ -192,3 +200,41 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
     cluster_side |= {n for exprs in _dashboard_exprs(dashboard).values() for e in exprs for n in _METRIC.findall(e)}
     missing = cluster_side - exported
     assert not missing, f"named outside the services but not exported on /metrics: {sorted(missing)}"
+
+
+def _extras() -> dict[str, list[str]]:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {"": project["dependencies"], **project["optional-dependencies"]}
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_each_image_installs_exactly_the_extras_its_processes_need():
+    """The router image carries the Kubernetes client (--discovery kubernetes imports it) and, like the
+    scheduler image, no torch or transformers; the engine image has the engine and Triton extras; no
+    image has test tools. tests/chart_e2e builds its virtualenvs from these same lines."""
+    from tests.chart_e2e.images import install_spec
+
+    extras = _extras()
+    base = _names(extras[""])
+    assert not base & {"torch", "transformers", "gguf", "accelerate", "safetensors", "triton", "kubernetes"}
+    router, scheduler, engine = (install_spec(s) for s in SERVICES)
+    assert router.extras == ("k8s",) and "kubernetes" in _names(extras["k8s"])
+    assert scheduler.extras == ()
+    assert set(engine.extras) == {"engine", "triton"} and {"torch", "transformers"} <= _names(extras["engine"])
+    assert router.torch_version is None and scheduler.torch_version is None and engine.torch_version
+    for spec in (router, scheduler, engine):
+        assert "test" not in spec.extras
+    # What the router's discovery imports is what the k8s extra installs.
+    source = (REPO / "services" / "router" / "k8s_discovery.py").read_text()
+    assert "from kubernetes import" in source
+    # Router and scheduler images bake in the tokenizer only; the engine the converted weights.
+    assert router.model_convert_args == scheduler.model_convert_args == ("--tokenizer-only",)
+    assert engine.model_convert_args == ()
+    # `make install` has everything, for development and the tests.
+    makefile = (REPO / "Makefile").read_text()
+    assert "pip install -q -e '.[engine,k8s,triton,test]'" in makefile

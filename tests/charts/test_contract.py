@@ -9,15 +9,19 @@ import argparse
 import re
 
 import pytest
+import yaml
 
 from services import settings
 from services.cli import build_parser
+from services.openai_api.server import LIVENESS_PATH
 from tests.charts.chart_render import VARIANTS, pod_spec, render
 
 # Kubernetes expands $(NAME) in env values and args from earlier variables of the same container.
 _EXPANSION = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # The health endpoint every HTTP service serves (200 when ready, 503 otherwise).
 HEALTH_PATH = "/health"
+# Read by the container runtime, not by a service: NVIDIA's runtime exposes the GPUs it names.
+RUNTIME_ENV_VARS = {"NVIDIA_VISIBLE_DEVICES"}
 
 
 def parse(container: dict) -> argparse.Namespace:
@@ -47,16 +51,25 @@ def test_every_container_command_is_a_real_subcommand_with_valid_flags(variant):
         assert args.command == container["name"], f"container {container['name']} runs `{args.command}`"
 
 
+def _user_env(variant: str) -> set[str]:
+    """Env var names the variant's values add through extraEnv (the user's own, not the chart's)."""
+    path = VARIANTS[variant]
+    values = yaml.safe_load(path.read_text()) if path else {}
+    lists = [values.get("router", {}).get("extraEnv")]
+    lists += [values.get("replica", {}).get(c, {}).get("extraEnv") for c in ("engine", "scheduler")]
+    return {e["name"] for env in lists if env for e in env}
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_env_var_is_read_by_the_services(variant):
-    known = settings.all_env_vars()
+    known = settings.all_env_vars() | _user_env(variant)
     for _, container in render(variant).pagedserve_containers():
         env = container.get("env", [])
         names = [e["name"] for e in env]
         referenced = {ref for e in env for ref in _EXPANSION.findall(e.get("value", ""))}
         referenced |= {ref for arg in container["args"] for ref in _EXPANSION.findall(arg)}
         for name in names:
-            if name in known:
+            if name in known or name in RUNTIME_ENV_VARS:
                 continue
             # Allowed only as an input to Kubernetes' own $(NAME) expansion, never as a service setting.
             assert not name.startswith("PAGEDSERVE_"), f"{container['name']}: {name} is no setting of any service"
@@ -79,24 +92,38 @@ def test_env_vars_and_flags_do_not_set_the_same_option_twice(variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_probes_hit_the_ports_and_paths_the_services_serve(variant):
     rendered = render(variant)
-    for name in ("router", "scheduler"):
-        container = rendered.container(name)
+    # The router's /health answers while its loop runs (it is healthy without replicas).
+    router = rendered.container("router")
+    scheduler = rendered.container("scheduler")
+    paths = {("router", kind): HEALTH_PATH for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    # The scheduler: alive is its own event loop, ready is the chain (engine loaded and answering).
+    paths |= {("scheduler", "startupProbe"): LIVENESS_PATH, ("scheduler", "livenessProbe"): LIVENESS_PATH,
+              ("scheduler", "readinessProbe"): HEALTH_PATH}
+    for name, container in (("router", router), ("scheduler", scheduler)):
         args = parse(container)
         assert args.host == "0.0.0.0"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container[kind]["httpGet"]
-            assert probe["path"] == HEALTH_PATH, f"{name} {kind} path {probe['path']}"
+            assert probe["path"] == paths[name, kind], f"{name} {kind} path {probe['path']}"
             assert port_number(container, probe["port"]) == args.port, f"{name} {kind} port"
         assert port_number(container, "http") == args.port == settings.DEFAULT_PORTS[name]
-    # The engine speaks ZeroMQ on loopback: exec probes connect to its --port on 127.0.0.1.
+    # The engine speaks ZeroMQ on loopback: exec probes make a health round trip to its --port there.
     engine = rendered.container("engine")
     args = parse(engine)
     assert args.host == "127.0.0.1", "the engine must listen on loopback only"
     assert args.port == settings.DEFAULT_PORTS["engine"] == port_number(engine, "engine")
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        script = engine[kind]["exec"]["command"]
-        assert script[:2] == ["python", "-c"]
-        assert f"('127.0.0.1', {args.port})" in script[2], f"engine {kind} checks the wrong address: {script}"
+        probe = engine[kind]
+        command = probe["exec"]["command"]
+        assert command[0] == "pagedserve", command
+        probe_args = build_parser().parse_args(command[1:])
+        assert (probe_args.command, probe_args.probe_target) == ("probe", "engine")
+        assert probe_args.engine == f"tcp://127.0.0.1:{args.port}", f"engine {kind} checks the wrong address"
+        assert probe_args.timeout < probe["timeoutSeconds"], "the probe must answer before the kubelet gives up"
+    # A hung engine's preStop would wait for its (still connected) scheduler: liveness kills it fast.
+    liveness = engine["livenessProbe"]
+    assert liveness["terminationGracePeriodSeconds"] <= 15
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60, "a long step must not look hung"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -106,8 +133,18 @@ def test_shared_values_agree_across_services(variant):
     # Routers learn block size, hash seed and served name from the registry; they only share the model
     # files (for the tokenizer), and have no flag of their own that could disagree with the engine.
     assert not hasattr(router, "block_size") and not hasattr(router, "served_model_name")
-    assert router.model == scheduler.model == engine.model
+    assert scheduler.model == engine.model
+    converters = {c["name"]: build_parser().parse_args(c["args"]) for w in rendered.workloads()
+                  for c in pod_spec(w).get("initContainers", [])}
+    if converters:  # a GGUF model: all read the one source, through their pod's conversion
+        model, tokenizer = converters["convert-model"], converters["extract-tokenizer"]
+        assert model.model == tokenizer.model and model.model.endswith(".gguf")
+        assert (model.output, tokenizer.output) == (engine.model, router.model)
+        assert tokenizer.tokenizer_only and not model.tokenizer_only
+    else:
+        assert router.model == engine.model
     assert scheduler.max_model_len == engine.max_model_len
+    assert scheduler.max_num_seqs == engine.max_num_seqs  # the engine's CUDA graphs cover its largest batch
     assert scheduler.engine == f"tcp://127.0.0.1:{engine.port}"
     assert scheduler.max_body_bytes == router.max_body_bytes
     for name in ("router", "scheduler", "engine"):
@@ -126,10 +163,15 @@ def test_gpu_count_decides_device_and_resources(variant):
         assert len(gpu_keys) == 1, gpu_keys
         key = gpu_keys.pop()
         assert resources["limits"][key] == resources["requests"][key] >= 1
-        assert any(t.get("key") == key for t in spec.get("tolerations", []))
+        # The GPU operator's taint is nvidia.com/gpu whatever resource is requested (MIG included).
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in engine["env"]}, "the device plugin sets it"
     else:
         assert device == "cpu" and not gpu_keys, "a CPU replica must not request a GPU"
         assert not any("gpu" in str(t.get("key")) for t in spec.get("tolerations", []))
+        # The engine image says NVIDIA_VISIBLE_DEVICES=all; a CPU replica must not get every GPU of the node.
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
     for _, container in rendered.pagedserve_containers():
         if container["name"] != "engine":
             assert not any("/" in k for part in container["resources"].values() for k in part)
@@ -138,7 +180,7 @@ def test_gpu_count_decides_device_and_resources(variant):
 def test_cpu_and_gpu_variants_pick_their_device():
     assert parse(render("cpu").container("engine")).device == "cpu"
     assert parse(render("gpu").container("engine")).device == "cuda"
-    assert render("gpu").container("engine")["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert render("gpu").container("engine")["resources"]["limits"]["nvidia.com/gpu"] == 1
     mig = render("gateway-k8s-discovery").container("engine")["resources"]["limits"]
     assert mig["nvidia.com/mig-1g.10gb"] == 1
 
@@ -186,10 +228,13 @@ def test_graceful_termination_leaves_time_to_drain(variant):
     scheduler = rendered.container("scheduler")
     grace = replica_spec["terminationGracePeriodSeconds"]
     assert scheduler["lifecycle"]["preStop"]["sleep"]["seconds"] + parse(scheduler).drain_timeout < grace
-    wait = rendered.container("engine")["lifecycle"]["preStop"]["exec"]["command"][2]
-    deadline = int(re.search(r"time\.monotonic\(\) \+ (\d+)", wait).group(1))
-    assert parse(scheduler).drain_timeout < deadline < grace
-    assert f":{parse(rendered.container('engine')).port:04X}'" in wait
+    engine = rendered.container("engine")
+    command = engine["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "pagedserve"
+    wait = build_parser().parse_args(command[1:])
+    assert wait.command == "wait-for-disconnect"
+    assert parse(scheduler).drain_timeout < wait.timeout < grace
+    assert wait.engine == f"tcp://127.0.0.1:{parse(engine).port}", "it must watch the engine's own address"
 
 
 def test_kubernetes_discovery_names_the_schedulers_headless_service():

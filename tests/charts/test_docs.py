@@ -94,3 +94,19 @@ def test_readme_deploy_section_names_real_values_and_files():
     # The README's example release is `llm`; its port-forward must hit the real router Service and port.
     service = render("default").get("Service", f"{RELEASE}-pagedserve-router")
     assert f"svc/{service['metadata']['name']} 8000:{service['spec']['ports'][0]['port']}" in section
+
+
+def test_notes_say_whom_the_router_policy_admits():
+    rendered = render("loadbalancer")
+    text = notes("loadbalancer")
+    assert "NetworkPolicy: the router (port 8000) accepts connections only from:" in text
+    assert "clients of the LoadBalancer Service" in text and "203.0.113.0/24" in text
+    assert "this release's helm test pod" in text and "Egress is limited too" in text
+    (rule,) = rendered.get("NetworkPolicy", f"{RELEASE}-pagedserve-router")["spec"]["ingress"]
+    for peer in rule["from"]:
+        for cidr in [peer["ipBlock"]["cidr"]] if "ipBlock" in peer else []:
+            assert cidr in text, f"NOTES does not mention {cidr}, which the policy admits"
+    assert "the ingress controller" in notes("ingress-tls") and "the Gateway of router.httpRoute.parentRefs" in notes(
+        "gateway-k8s-discovery")
+    assert "While no replica is ready, routers hold requests for up to 300s" in notes_with(
+        "-f", str(REPO / "k8s" / "keda" / "values.yaml"))

@@ -15,7 +15,16 @@ import kubernetes_validate
 import kubernetes_validate.utils as kv_utils
 import pytest
 
-from tests.charts.chart_render import CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, VARIANTS, helm, render
+from tests.charts.chart_render import (
+    CHART,
+    CRD_KINDS,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    VARIANTS,
+    helm,
+    render,
+    template_args,
+)
 
 # kubernetes-validate re-reads its multi-megabyte definitions file on every call; the files never
 # change within a run, so read each once (this keeps the whole matrix at a few seconds).
@@ -160,3 +169,50 @@ def test_long_release_names_still_give_valid_object_names():
         name = obj["metadata"]["name"]
         assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
         kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+
+
+def _value_paths(values: dict, prefix: str = ""):
+    for key, value in values.items():
+        yield prefix + key
+        if isinstance(value, dict):
+            yield from _value_paths(value, f"{prefix}{key}.")
+
+
+# A chart's own `fail`/`required` messages name the value; Go template errors on nil do not.
+_CHART_MESSAGE = re.compile(r"is required|must |needs |execution error at \(pagedserve/templates/[^)]*\): [a-z]")
+_GO_ERRORS = ("reflect", "nil pointer", "wrong type for value", "interface conversion", "can't evaluate field")
+
+
+def test_every_value_the_schema_allows_renders():
+    """`--set x=null` removes a value, which the schema allows for every key it does not require: the
+    templates must then render with their defaults (or fail with the chart's own message), never with a
+    Go reflect/nil error. That was `--set replica.engine.resources=null`."""
+    import concurrent.futures
+
+    import yaml
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    paths = [p for p in _value_paths(values) if p.count(".") <= 3]
+
+    def attempt(path: str) -> tuple[str, str]:
+        result = helm(*template_args("default", "--set", f"{path}=null"))
+        return path, "" if result.returncode == 0 else result.stderr
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(attempt, paths))
+    broken = [f"{path}: {err.strip().splitlines()[-1]}" for path, err in outcomes
+              if err and (any(g in err for g in _GO_ERRORS) or not ("schema" in err or _CHART_MESSAGE.search(err)))]
+    assert not broken, "\n".join(broken)
+    assert dict(outcomes)["replica.engine.resources"] == ""
+    for component in ("router", "replica.scheduler", "redis", "model.convert"):
+        assert dict(outcomes)[f"{component}.resources"] == "", component
+
+
+def test_rendering_is_stable_with_existing_secrets():
+    """helm template-based GitOps (Argo CD) renders on every sync: with existingSecret for Redis and the
+    API keys nothing random is rendered, so two renders are identical. Without them a generated password
+    or key changes on every render (the chart README says to use existingSecret there)."""
+    first, second = (helm(*template_args("existing-secrets")) for _ in range(2))
+    assert first.returncode == 0 and first.stdout == second.stdout
+    generated = [helm(*template_args("api-keys", "--set", "router.apiKeys.keys=null")).stdout for _ in range(2)]
+    assert generated[0] != generated[1], "generated secrets differ per render: the reason for existingSecret"

@@ -62,6 +62,7 @@ def test_inconsistent_values_fail_with_the_value_to_change(args, message):
 
 @pytest.mark.parametrize("path, option", [
     (("router", "policy"), settings.POLICY),
+    (("router", "cacheIsolation"), settings.CACHE_ISOLATION),
     (("router", "discovery"), settings.DISCOVERY),
     (("model", "dtype"), settings.DTYPE),
     (("logLevel",), settings.LOG_LEVEL),
@@ -83,7 +84,8 @@ def _walk(schema: dict, values: dict, path: str, problems: list[str]) -> None:
     for key in set(props) - set(values) - {"global"}:
         problems.append(f"{path}{key}: in the schema but not in values.yaml (undocumented value)")
     for key, value in values.items():
-        if isinstance(value, dict) and key in props:
+        # An empty map ({} in values.yaml: resources, probe overrides) is documented as a whole.
+        if isinstance(value, dict) and value and key in props:
             _walk(props[key], value, f"{path}{key}.", problems)
 
 
@@ -98,3 +100,17 @@ def test_values_yaml_documents_every_top_level_key():
     for key in VALUES:
         index = next(i for i, line in enumerate(lines) if line.startswith(f"{key}:"))
         assert lines[index - 1].startswith("#"), f"values.yaml: {key} has no comment above it"
+
+
+def test_more_than_one_gpu_per_replica_is_refused_until_tensor_parallelism():
+    """One obvious place refuses gpus > 1 (the schema); the issue that adds tensor parallelism lifts it."""
+    err = render_error("--set", "replica.engine.gpus=2")
+    assert "/replica/engine/gpus" in err and "maximum: got 2, want 1" in err
+    assert "tensor parallelism" in SCHEMA["properties"]["replica"]["properties"]["engine"]["properties"]["gpus"][
+        "description"]
+
+
+def test_per_key_cache_isolation_needs_api_keys():
+    err = render_error("--set", "router.cacheIsolation=per-key")
+    assert ("router.cacheIsolation=per-key isolates API keys from each other: it needs "
+            "router.apiKeys.enabled=true") in err

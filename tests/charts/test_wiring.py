@@ -80,8 +80,9 @@ def test_network_policies_let_in_only_whom_they_mean(variant):
     for policy in rendered.of_kind("NetworkPolicy"):
         selected = components_selected(rendered, policy["spec"]["podSelector"])
         assert len(selected) == 1, f"{policy['metadata']['name']} selects {selected}"
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
-        policies[selected.pop()] = policy["spec"]["ingress"]
+        assert policy["spec"]["policyTypes"] in (["Ingress"], ["Egress"]), "one direction per policy"
+        if policy["spec"]["policyTypes"] == ["Ingress"]:
+            policies[selected.pop()] = policy["spec"]["ingress"]
     expected = {"router", "replica"} | ({"redis"} if rendered.of_kind("StatefulSet") else set())
     assert set(policies) == expected
 
@@ -111,9 +112,11 @@ def test_router_is_reachable_from_the_ingress_controller_namespace():
                    if p["metadata"]["name"] == f"{FULLNAME}-router")["spec"]["ingress"]
     namespaces = [p["namespaceSelector"]["matchLabels"] for p in rule["from"] if "namespaceSelector" in p]
     assert {"kubernetes.io/metadata.name": "ingress-nginx"} in namespaces
-    open_router = next(p for p in render("gateway-k8s-discovery").of_kind("NetworkPolicy")
-                       if p["metadata"]["name"] == f"{FULLNAME}-router")
-    assert "from" not in open_router["spec"]["ingress"][0]
+    (rule,) = next(p for p in render("gateway-k8s-discovery").of_kind("NetworkPolicy")
+                   if p["metadata"]["name"] == f"{FULLNAME}-router")["spec"]["ingress"]
+    namespaces = [p["namespaceSelector"]["matchLabels"] for p in rule["from"] if "namespaceSelector" in p]
+    assert {"kubernetes.io/metadata.name": "gateway-system"} in namespaces, "the Gateway's namespace"
+    assert {"kubernetes.io/metadata.name": "ingress-nginx"} not in namespaces, "no ingress controller there"
 
 
 def test_no_network_policies_when_disabled():
@@ -123,9 +126,14 @@ def test_no_network_policies_when_disabled():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_one_autoscaler_at_most_and_it_scales_the_replica_deployment(variant):
     rendered = render(variant)
-    hpas, scaled = rendered.of_kind("HorizontalPodAutoscaler"), rendered.of_kind("ScaledObject")
-    assert len(hpas) + len(scaled) <= 1, "the HPA and KEDA must never both scale the replicas"
     replica = rendered.get("Deployment", f"{FULLNAME}-replica")
+    router = rendered.get("Deployment", f"{FULLNAME}-router")
+    router_hpas = [h for h in rendered.of_kind("HorizontalPodAutoscaler")
+                   if h["spec"]["scaleTargetRef"]["name"] == router["metadata"]["name"]]
+    assert ("replicas" in router["spec"]) == (not router_hpas)
+    hpas = [h for h in rendered.of_kind("HorizontalPodAutoscaler") if h not in router_hpas]
+    scaled = rendered.of_kind("ScaledObject")
+    assert len(hpas) + len(scaled) <= 1, "the HPA and KEDA must never both scale the replicas"
     for autoscaler in hpas + scaled:
         target = autoscaler["spec"]["scaleTargetRef"]
         assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment",
@@ -219,7 +227,9 @@ def test_redis_clients_get_the_url_of_the_bundled_redis():
     redis = pod_spec(rendered.workload("redis"))["containers"][0]
     env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
     assert env["REDIS_PASSWORD"] == {"name": secret_name, "key": "redis-password"}
-    assert '--requirepass "$REDIS_PASSWORD"' in redis["args"][0]
+    # The password reaches redis-server on its standard input, never on a command line.
+    assert "--requirepass" not in redis["args"][0] and "exec redis-server - " in redis["args"][0]
+    assert '<<EOF\nrequirepass "$REDIS_PASSWORD"\nEOF' in redis["args"][0]
     assert "$(REDIS_PASSWORD)" not in str(redis), "the password must not be expanded into the pod spec"
     for name in ("router", "scheduler"):
         env = {e["name"]: e for e in rendered.container(name)["env"]}
@@ -280,3 +290,106 @@ def test_every_pod_and_container_is_hardened(variant):
             assert sc["capabilities"]["drop"] == ["ALL"], f"{where}/{container['name']}"
             assert not sc.get("privileged") and "add" not in sc["capabilities"]
             assert "memory" in container["resources"]["limits"], f"{where}/{container['name']}: no memory limit"
+
+
+def _router_peers(rendered) -> list[dict]:
+    (rule,) = rendered.get("NetworkPolicy", f"{FULLNAME}-router")["spec"]["ingress"]
+    return rule["from"]
+
+
+def _cidrs(peers: list[dict]) -> set[str]:
+    return {p["ipBlock"]["cidr"] for p in peers if "ipBlock" in p}
+
+
+@pytest.mark.parametrize("args, cidrs", [
+    (("--set", "router.service.type=LoadBalancer"), {"0.0.0.0/0", "::/0"}),
+    (("--set", "router.service.type=NodePort"), {"0.0.0.0/0", "::/0"}),
+    # SNAT hides client IPs unless externalTrafficPolicy is Local: the source ranges apply only then.
+    (("--set", "router.service.type=LoadBalancer",
+      "--set", "router.service.loadBalancerSourceRanges={198.51.100.0/24}"),
+     {"0.0.0.0/0", "::/0"}),
+    (("--set", "router.service.type=LoadBalancer",
+      "--set", "router.service.loadBalancerSourceRanges={198.51.100.0/24}",
+      "--set", "router.service.externalTrafficPolicy=Local"), {"198.51.100.0/24"}),
+    (("--set", "router.service.type=LoadBalancer", "--set", "networkPolicy.externalFrom[0].ipBlock.cidr=10.0.0.0/8"),
+     {"10.0.0.0/8"}),
+    ((), set()),
+])
+def test_the_router_policy_admits_the_clients_of_its_service_type(args, cidrs):
+    assert _cidrs(_router_peers(render("default", *args))) == cidrs
+
+
+def test_a_host_network_ingress_controller_is_admitted_by_node_cidr():
+    rendered = render("ingress-tls", "--set", "networkPolicy.ingressControllerFrom[0].ipBlock.cidr=10.128.0.0/16")
+    peers = _router_peers(rendered)
+    assert _cidrs(peers) == {"10.128.0.0/16"}
+    assert not [p for p in peers if p.get("namespaceSelector", {}).get("matchLabels") ==
+                {"kubernetes.io/metadata.name": "ingress-nginx"}], "the override replaces the default peer"
+
+
+def test_a_gateway_in_the_release_namespace_or_elsewhere_is_admitted():
+    here = render("default", "--set", "router.httpRoute.enabled=true",
+                  "--set", "router.httpRoute.parentRefs[0].name=gw")
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}} in _router_peers(here)
+
+
+def test_egress_policies_allow_what_each_component_needs_and_never_the_metadata_endpoint():
+    rendered = render("loadbalancer", "--set", "router.discovery=kubernetes")
+    egress = {p["metadata"]["name"]: p["spec"] for p in rendered.of_kind("NetworkPolicy")
+              if p["spec"]["policyTypes"] == ["Egress"]}
+    assert set(egress) == {f"{FULLNAME}-router-egress", f"{FULLNAME}-replica-egress", f"{FULLNAME}-redis-egress"}
+    assert egress[f"{FULLNAME}-redis-egress"]["egress"] == []
+
+    def ports(spec):
+        return {(p["port"], p["protocol"]) for rule in spec["egress"] for p in rule["ports"]}
+
+    router, replica = egress[f"{FULLNAME}-router-egress"], egress[f"{FULLNAME}-replica-egress"]
+    assert {(53, "UDP"), (53, "TCP"), (8100, "TCP"), (6379, "TCP"), (443, "TCP"), (6443, "TCP")} == ports(router)
+    assert {(53, "UDP"), (53, "TCP"), (6379, "TCP")} == ports(replica)
+    scheduler_rule = next(r for r in router["egress"] if r["ports"][0]["port"] == 8100)
+    assert components_selected(rendered, scheduler_rule["to"][0]["podSelector"]) == {"replica"}
+    for spec in (router, replica):
+        for rule in spec["egress"]:
+            for peer in rule["to"]:
+                if "ipBlock" in peer and peer["ipBlock"]["cidr"] == "0.0.0.0/0":
+                    assert "169.254.169.254/32" in peer["ipBlock"]["except"]
+    assert not [p for p in render("default").of_kind("NetworkPolicy") if "Egress" in p["spec"]["policyTypes"]]
+
+
+@pytest.mark.parametrize("variant", ["default", "api-keys", "ingress-tls", "external-redis"])
+def test_no_secret_value_is_on_a_command_line(variant):
+    """The Redis password, its URL and API keys reach processes as files or env from Secrets, never as
+    arguments (which any process of the node can read in /proc/<pid>/cmdline)."""
+    rendered = render(variant)
+    secrets = {v for s in rendered.of_kind("Secret") for k in s["data"] for v in rendered.secret_value(
+        s["metadata"]["name"], k).split()}
+    assert secrets
+    for workload in rendered.workloads():
+        spec = pod_spec(workload)
+        for container in spec["containers"] + spec.get("initContainers", []):
+            words = " ".join(container.get("command", []) + container.get("args", []))
+            leaked = [s for s in secrets if s in words]
+            assert not leaked, f"{workload['metadata']['name']}/{container['name']} has a secret on its command line"
+            for env in container.get("env", []):
+                assert env.get("value", "") not in secrets, "secrets come from secretKeyRef, not literal values"
+
+
+@pytest.mark.parametrize("variant, secret, key", [("default", f"{FULLNAME}-internal", "internal-token"),
+                                                  ("existing-secrets", "llm-internal-token", "token")])
+def test_routers_and_schedulers_share_the_internal_token_as_a_file(variant, secret, key):
+    from services.cli import build_parser
+
+    rendered = render(variant)
+    for component, name in (("router", "router"), ("replica", "scheduler")):
+        container = rendered.container(name)
+        token_file = build_parser().parse_args(container["args"]).internal_token_file
+        mount = next(m for m in container["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in pod_spec(rendered.workload(component))["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == secret and mount["readOnly"] is True
+        (item,) = volume["secret"]["items"]
+        assert item["key"] == key and token_file.endswith("/" + item["path"])
+    if variant == "default":
+        assert len(rendered.secret_value(secret, key)) >= 32
+    else:
+        assert secret not in {s["metadata"]["name"] for s in rendered.of_kind("Secret")}
+    assert "--internal-token-file" not in str(rendered.container("engine")["args"]), "the engine is loopback-only"

@@ -12,7 +12,6 @@ import pytest
 
 from services.block_hash import hash_blocks
 from services.internal_auth import InternalToken
-from services.model_source import resolve_model
 from services.ports import free_port
 from services.registry.model import ReplicaLoad
 from services.registry.redis_sink import connect
@@ -20,16 +19,10 @@ from services.router.app import create_router_app
 from services.router.auth import ApiKeys
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
-from services.tokenizer import ModelTokenizer
 from tests.conftest import AppServer
 from tests.router.fake_replicas import BLOCK, MODEL, SEED, FakeReplicas
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return ModelTokenizer(resolve_model(None))
 
 
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,

@@ -31,6 +31,30 @@ so it is cut at 52 characters to keep every Service name a valid 63-character DN
 {{- define "pagedserve.apiKeysSecretName" -}}
 {{- default (printf "%s-api-keys" (include "pagedserve.fullname" .)) .Values.router.apiKeys.existingSecret }}
 {{- end }}
+{{- define "pagedserve.internalTokenSecretName" -}}
+{{- default (printf "%s-internal" (include "pagedserve.fullname" .)) .Values.internalToken.existingSecret }}
+{{- end }}
+{{- define "pagedserve.internalTokenSecretKey" -}}
+{{- if .Values.internalToken.existingSecret }}{{ .Values.internalToken.existingSecretKey }}{{ else }}internal-token{{ end }}
+{{- end }}
+{{- define "pagedserve.internalTokenDir" -}}/etc/pagedserve/internal-token{{- end }}
+
+{{/* The internal token as a file: the volume (pods) and its mount (routers, schedulers). */}}
+{{- define "pagedserve.internalTokenVolume" -}}
+- name: internal-token
+  secret:
+    secretName: {{ include "pagedserve.internalTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "pagedserve.internalTokenSecretKey" . }}
+        path: internal-token
+{{- end }}
+{{- define "pagedserve.internalTokenMount" -}}
+- name: internal-token
+  mountPath: {{ include "pagedserve.internalTokenDir" . }}
+  readOnly: true
+{{- end }}
+
 {{- define "pagedserve.apiKeysSecretKey" -}}
 {{- if .Values.router.apiKeys.existingSecret }}{{ .Values.router.apiKeys.existingSecretKey }}{{ else }}api-keys{{ end }}
 {{- end }}
@@ -93,6 +117,75 @@ fixed path, so no pod converts or downloads anything at start.
 {{- printf "%s/%s" (include "pagedserve.modelMountPath" .) (trimPrefix "/" .Values.model.path) }}
 {{- else }}
 {{- include "pagedserve.modelMountPath" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+GGUF models are converted once per pod, before the services start, by init containers running
+`pagedserve convert` from the engine image (the only image with torch and the model formats): the
+replica pod converts the whole model for its engine and scheduler, the router pod extracts the
+tokenizer alone. "true" when that happens.
+*/}}
+{{- define "pagedserve.converting" -}}
+{{- $c := .Values.model.convert }}
+{{- if and (ne .Values.model.source "bundled") (or (eq $c.mode "always") (and (eq $c.mode "auto") (hasSuffix ".gguf" .Values.model.path))) }}true{{ end }}
+{{- end }}
+{{- define "pagedserve.convertedMountPath" -}}/converted{{- end }}
+
+{{/* --model of the engine and the scheduler: the source, or its conversion. */}}
+{{- define "pagedserve.servingModelArg" -}}
+{{- if include "pagedserve.converting" . }}{{ include "pagedserve.convertedMountPath" . }}/model{{ else }}{{ include "pagedserve.modelArg" . }}{{ end }}
+{{- end }}
+
+{{/* --model of the router: the source, or its extracted tokenizer. */}}
+{{- define "pagedserve.routerModelArg" -}}
+{{- if include "pagedserve.converting" . }}{{ include "pagedserve.convertedMountPath" . }}/tokenizer{{ else }}{{ include "pagedserve.modelArg" . }}{{ end }}
+{{- end }}
+
+{{/*
+The init container that converts the model. Call with (dict "ctx" $ "output" "model" "tokenizerOnly" false
+"resources" dict "securityContext" dict).
+*/}}
+{{- define "pagedserve.convertContainer" -}}
+{{- $ctx := .ctx }}
+- name: {{ if .tokenizerOnly }}extract-tokenizer{{ else }}convert-model{{ end }}
+  image: {{ include "pagedserve.image" (dict "ctx" $ctx "image" $ctx.Values.images.engine "prefix" true) }}
+  imagePullPolicy: {{ $ctx.Values.images.pullPolicy }}
+  command: ["pagedserve"]
+  args:
+    - convert
+    - --model={{ include "pagedserve.modelArg" $ctx }}
+    - --output={{ include "pagedserve.convertedMountPath" $ctx }}/{{ .output }}
+    {{- if .tokenizerOnly }}
+    - --tokenizer-only
+    {{- end }}
+    - --log-level={{ $ctx.Values.logLevel }}
+  env:
+    {{- include "pagedserve.cacheEnv" $ctx | nindent 4 }}
+  resources:
+    {{- toYaml .resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .securityContext | nindent 4 }}
+  volumeMounts:
+    {{- include "pagedserve.cacheMounts" (dict "ctx" $ctx "container" "convert") | nindent 4 }}
+    {{- include "pagedserve.modelVolumeMount" $ctx | nindent 4 }}
+    - name: converted
+      mountPath: {{ include "pagedserve.convertedMountPath" $ctx }}
+{{- end }}
+
+{{- define "pagedserve.convertedVolume" -}}
+{{- if include "pagedserve.converting" .ctx }}
+- name: converted
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{- define "pagedserve.convertedMount" -}}
+{{- if include "pagedserve.converting" . }}
+- name: converted
+  mountPath: {{ include "pagedserve.convertedMountPath" . }}
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -193,8 +286,115 @@ Call with (dict "ctx" $ "container" "engine").
       key: {{ include "pagedserve.redisUrlSecretKey" . }}
 {{- end }}
 
+{{/*
+Probes: the chart's defaults with the user's timing overrides (component.probes.<kind>) merged over them.
+Call with (dict "probe" (dict ...defaults...) "override" .Values.router.probes.liveness).
+*/}}
+{{- define "pagedserve.probe" -}}
+{{- toYaml (mergeOverwrite (deepCopy .probe) (default (dict) .override)) }}
+{{- end }}
+
+{{/*
+The engine's exec probe: a real `health` round trip on the step protocol (a TCP connect succeeds even
+when the engine is hung). Its own timeout stays under the probe's, so a slow answer is reported by the
+command rather than cut off by the kubelet. Call with (dict "port" 7000 "probe" ... "override" ...).
+*/}}
+{{- define "pagedserve.engineProbe" -}}
+{{- $merged := mergeOverwrite (deepCopy .probe) (default (dict) .override) }}
+{{- $timeout := max 1 (sub (int (default 5 $merged.timeoutSeconds)) 1) }}
+{{- $_ := set $merged "exec" (dict "command" (list "pagedserve" "probe" "engine" (printf "--engine=tcp://127.0.0.1:%d" (int .port)) (printf "--timeout=%d" $timeout))) }}
+{{- toYaml $merged }}
+{{- end }}
+
+{{/* A container's securityContext: containerSecurityContext with the component's overrides. */}}
+{{- define "pagedserve.containerSecurityContext" -}}
+{{- toYaml (mergeOverwrite (deepCopy .ctx.Values.containerSecurityContext) (default (dict) .override)) }}
+{{- end }}
+
+{{/* A pod's securityContext: podSecurityContext with the component's overrides. */}}
+{{- define "pagedserve.podSecurityContext" -}}
+{{- toYaml (mergeOverwrite (deepCopy .ctx.Values.podSecurityContext) (default (dict) .override)) }}
+{{- end }}
+
+{{/* The ServiceAccount a component's pods run as: serviceAccount.name for all, else one per component. */}}
+{{- define "pagedserve.serviceAccountName" -}}
+{{- default .name .ctx.Values.serviceAccount.name }}
+{{- end }}
+
+{{/*
+Scale to zero: KEDA with minReplicas 0, or an idleReplicaCount of 0. Routers then hold requests while
+no replica is ready (--cold-start-timeout) instead of refusing them.
+*/}}
+{{- define "pagedserve.scalesToZero" -}}
+{{- if and .Values.keda.enabled (or (eq (int .Values.autoscaling.minReplicas) 0) (and (not (kindIs "invalid" .Values.keda.idleReplicaCount)) (eq (int .Values.keda.idleReplicaCount) 0))) }}true{{ end }}
+{{- end }}
+
+{{- define "pagedserve.coldStartTimeout" -}}
+{{- if not (kindIs "invalid" .Values.router.coldStartTimeoutSeconds) }}
+{{- .Values.router.coldStartTimeoutSeconds }}
+{{- else if include "pagedserve.scalesToZero" . }}
+{{- 300 }}
+{{- else }}
+{{- 0 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Who may connect to the router's port, as {"sources": [{"why": ..., "peers": [NetworkPolicyPeer...]}]}:
+what follows from how the router is exposed, then networkPolicy.routerFrom, Prometheus and the helm test
+pod. The NetworkPolicy and NOTES.txt both read it, so what NOTES says is what the policy allows.
+*/}}
+{{- define "pagedserve.routerSources" -}}
+{{- $np := .Values.networkPolicy }}
+{{- $rt := .Values.router }}
+{{- $sources := list }}
+{{- if $rt.ingress.enabled }}
+{{- $sources = append $sources (dict "why" "the ingress controller (networkPolicy.ingressControllerFrom; a hostNetwork controller needs the nodes' CIDRs there)" "peers" $np.ingressControllerFrom) }}
+{{- end }}
+{{- if $rt.httpRoute.enabled }}
+{{- $peers := $np.gatewayFrom }}
+{{- if not $peers }}
+{{- $namespaces := list }}
+{{- range $rt.httpRoute.parentRefs }}{{ $namespaces = append $namespaces (default $.Release.Namespace .namespace) }}{{ end }}
+{{- range uniq $namespaces }}
+{{- $peers = append $peers (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .))) }}
+{{- end }}
+{{- end }}
+{{- $sources = append $sources (dict "why" "the Gateway of router.httpRoute.parentRefs (its namespace; networkPolicy.gatewayFrom overrides)" "peers" $peers) }}
+{{- end }}
+{{- if has $rt.service.type (list "LoadBalancer" "NodePort") }}
+{{- $peers := $np.externalFrom }}
+{{- if and (not $peers) $rt.service.loadBalancerSourceRanges (eq $rt.service.externalTrafficPolicy "Local") }}
+{{- range $rt.service.loadBalancerSourceRanges }}{{ $peers = append $peers (dict "ipBlock" (dict "cidr" .)) }}{{ end }}
+{{- end }}
+{{- if not $peers }}
+{{- $peers = list (dict "ipBlock" (dict "cidr" "0.0.0.0/0")) (dict "ipBlock" (dict "cidr" "::/0")) }}
+{{- end }}
+{{- $sources = append $sources (dict "why" (printf "clients of the %s Service (networkPolicy.externalFrom; with externalTrafficPolicy Local, router.service.loadBalancerSourceRanges)" $rt.service.type) "peers" $peers) }}
+{{- end }}
+{{- with $np.routerFrom }}
+{{- $sources = append $sources (dict "why" "networkPolicy.routerFrom" "peers" .) }}
+{{- end }}
+{{- with $np.metricsFrom }}
+{{- $sources = append $sources (dict "why" "Prometheus (networkPolicy.metricsFrom)" "peers" .) }}
+{{- end }}
+{{- $test := dict "podSelector" (dict "matchLabels" (include "pagedserve.selectorLabels" (dict "ctx" $ "component" "test") | fromYaml)) }}
+{{- $sources = append $sources (dict "why" "this release's helm test pod" "peers" (list $test)) }}
+{{- toJson (dict "sources" $sources) }}
+{{- end }}
+
+{{/* Every address but the cloud metadata endpoints, as NetworkPolicyPeers (egress). */}}
+{{- define "pagedserve.anywhereButMetadata" -}}
+- ipBlock:
+    cidr: 0.0.0.0/0
+    except: ["169.254.169.254/32"]
+- ipBlock:
+    cidr: ::/0
+    except: ["fd00:ec2::254/128"]
+{{- end }}
+
 {{- define "pagedserve.secretsChecksum" -}}
-{{- toJson (list .Values.router.apiKeys .Values.redis.auth .Values.redis.external) | sha256sum }}
+{{- toJson (list .Values.router.apiKeys .Values.redis.auth .Values.redis.external .Values.internalToken) | sha256sum }}
 {{- end }}
 
 {{/* Probe timings: the startup probe polls every 10 s for startupTimeoutSeconds. */}}
@@ -239,38 +439,18 @@ Checks across values that the JSON schema cannot express; each fails with the va
 {{- if and .Values.router.httpRoute.enabled (not .Values.router.httpRoute.parentRefs) }}
 {{- fail "router.httpRoute.parentRefs must name at least one Gateway when router.httpRoute.enabled=true" }}
 {{- end }}
+{{- $idle := .Values.keda.idleReplicaCount }}
+{{- if and .Values.keda.enabled (not (kindIs "invalid" $idle)) (ge (int $idle) (int $a.minReplicas)) }}
+{{- fail (printf "keda.idleReplicaCount (%v) must be below autoscaling.minReplicas (%v): KEDA scales idle deployments down to it" $idle $a.minReplicas) }}
 {{- end }}
-
-{{/*
-Exec probe for the engine, which listens on loopback only: connect to its port from inside the
-container. Call with the port number.
-*/}}
-{{- define "pagedserve.tcpCheck" -}}
-{{- $script := printf "import socket; socket.create_connection(('127.0.0.1', %d), 3).close()" (int .) }}
-{{- toYaml (list "python" "-c" $script) }}
+{{- if and (eq .Values.router.cacheIsolation "per-key") (not .Values.router.apiKeys.enabled) }}
+{{- fail "router.cacheIsolation=per-key isolates API keys from each other: it needs router.apiKeys.enabled=true" }}
 {{- end }}
-
-{{/*
-Engine preStop: wait while any established TCP connection to the engine's port remains (its
-scheduler holds one for as long as it runs), for at most .seconds. Reads /proc/net/tcp of the pod's
-network namespace, so it needs neither a shared process namespace nor any tool in the image.
-Call with (dict "port" 7000 "seconds" 150).
-*/}}
-{{- define "pagedserve.waitForSchedulerExit" -}}
-{{- $lines := list
-  "import time"
-  (printf "port, deadline = ':%04X', time.monotonic() + %d" (int .port) (int .seconds))
-  "def connected():"
-  "    for table in ('/proc/net/tcp', '/proc/net/tcp6'):"
-  "        try:"
-  "            rows = open(table).read().splitlines()[1:]"
-  "        except OSError:"
-  "            continue"
-  "        if any(r.split()[1].endswith(port) and r.split()[3] == '01' for r in rows):"
-  "            return True"
-  "    return False"
-  "while connected() and time.monotonic() < deadline:"
-  "    time.sleep(1)"
-}}
-{{- toYaml (list "python" "-c" (join "\n" $lines)) }}
+{{- $ra := .Values.router.autoscaling }}
+{{- if and $ra.enabled (gt (int $ra.minReplicas) (int $ra.maxReplicas)) }}
+{{- fail (printf "router.autoscaling.minReplicas (%v) must not exceed router.autoscaling.maxReplicas (%v)" $ra.minReplicas $ra.maxReplicas) }}
+{{- end }}
+{{- if and $ra.enabled (kindIs "invalid" $ra.targetCPUUtilizationPercentage) (kindIs "invalid" $ra.targetRequestsPerSecond) }}
+{{- fail "router.autoscaling.enabled=true needs router.autoscaling.targetCPUUtilizationPercentage or targetRequestsPerSecond" }}
+{{- end }}
 {{- end }}
