@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 import torch
+import xxhash
 
 import kernels.cpu as cpu_kernels
 from services.engine.attention import AttentionMetadata, resolve_backend
@@ -37,6 +38,11 @@ from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutpu
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _code(text: str) -> int:
+    """A string as an int64 (ranks compare settings through an integer all-gather)."""
+    return xxhash.xxh3_64_intdigest(text.encode()) & ((1 << 63) - 1)
 
 
 def pick_device(device: str) -> torch.device:
@@ -126,7 +132,7 @@ class ModelRunner:
         self.memory = [RankMemory(0 if group is None else group.rank, self.model.weight_bytes,
                                   self.arena.numel() * self.arena.element_size(), start_bytes)]
         if group is not None:
-            self.memory = self._check_group_geometry()
+            self.memory = self._check_group_geometry(hf_cfg)
         # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
         # a first build takes about a minute that must not land on the first request after "ready".
         built = cpu_kernels.load() if self.device.type == "cpu" else None
@@ -157,17 +163,23 @@ class ModelRunner:
         for m in self.memory:
             log.info("memory: %s", m.describe())
 
-    def _check_group_geometry(self) -> list[RankMemory]:
-        """Every rank must agree on the pool and the model's limits (the scheduler sees only rank 0's);
-        returns every rank's memory figures."""
+    def _check_group_geometry(self, hf_cfg: dict) -> list[RankMemory]:
+        """Every rank must agree on the pool, the model and what its collectives depend on (the
+        scheduler sees only rank 0's; ranks on other machines get their flags separately); returns
+        every rank's memory figures."""
         cfg = self.model.config
+        agree = {"KV blocks": self.num_kv_blocks, "max model length": self.max_model_len,
+                 "vocabulary": cfg.vocab_size, "block size": self.block_size, "dtype": _code(self.config.dtype),
+                 "attention backend": _code(self.model.attn.name), "enforce eager": int(self.config.enforce_eager),
+                 "max num seqs": self.config.max_num_seqs, "model config": _code(json.dumps(hf_cfg, sort_keys=True))}
         mine = self.memory[0]
-        rows = self.group.all_gather_ints([self.num_kv_blocks, self.max_model_len, cfg.vocab_size, self.block_size,
-                                           mine.weight_bytes, mine.kv_cache_bytes, mine.start_bytes])
-        if any(r[:4] != rows[0][:4] for r in rows):
-            raise self.group.fail(f"ranks disagree on (KV blocks, max model length, vocabulary, block size): "
-                                  f"{[r[:4] for r in rows]}")
-        return [RankMemory(rank, *r[4:]) for rank, r in enumerate(rows)]
+        rows = self.group.all_gather_ints([*agree.values(), mine.weight_bytes, mine.kv_cache_bytes, mine.start_bytes])
+        n = len(agree)
+        differ = [name for i, name in enumerate(agree) if len({r[i] for r in rows}) > 1]
+        if differ:
+            raise self.group.fail(f"the ranks disagree on {', '.join(differ)}: give every rank the same engine flags "
+                                  f"and model")
+        return [RankMemory(rank, *r[n:]) for rank, r in enumerate(rows)]
 
     def capture_decode_graphs(self, capture=None) -> DecodeGraphs | None:
         """Decode graphs for every batch size up to max_num_seqs (None where none can be captured:

@@ -2,7 +2,7 @@
 rebuilds is rank 0's validated layout byte for byte (decodes, chunked prefills, copy-on-write, a
 graph-padded decode step, a step too big to go inline), heartbeats and resets arrive in order, and
 decode steps replayed from (fake) graphs on every rank give the tokens of eager execution and of one
-rank."""
+rank; ranks started with different engine flags refuse to start, naming what differs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from services.bench.step_driver import StepDriver, scheduled
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import FakeGraphCapture
 from services.engine.model_runner import ModelRunner
-from services.engine.parallel_state import RankGroup, RankPlace
+from services.engine.parallel_state import RankGroup, RankGroupError, RankPlace
 from services.engine.step_broadcast import INLINE_BYTES, Op, StepReceiver, StepSender
 from services.engine.step_inputs import StepInputBuilder
 from services.engine.step_validation import StepLimits
@@ -132,3 +132,26 @@ def test_decode_graphs_on_every_rank_give_eager_tokens(tiny_model_dir, eager):
     assert len(captures) == 2
     if not eager:  # decode steps replayed the graphs of both ranks, whose all-reduces paired up
         assert all(c.captured == 3 and c.replays >= 5 for c in captures), [(c.captured, c.replays) for c in captures]
+
+
+def test_ranks_given_different_engine_flags_refuse_to_start(tiny_model_dir):
+    """Ranks on other machines get their flags on their own: a drift that would mis-pair collectives
+    (graph sizes, dtype) or the pool is caught at start-up, by every rank, naming what differs."""
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=48, max_num_seqs=4,
+                          attention_backend="cpu", enforce_eager=True)
+    other = dataclasses.replace(config, max_num_seqs=8, num_kv_blocks=40)
+    url = f"file://{tempfile.mkdtemp()}/rendezvous"
+    errors: list[Exception] = []
+
+    def rank1() -> None:
+        try:
+            ModelRunner(other, group=RankGroup(RankPlace(1, 2, 1, 2, url), CPU, 20.0))
+        except RankGroupError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    with pytest.raises(RankGroupError, match="the ranks disagree on KV blocks, max num seqs: give every rank"):
+        ModelRunner(config, group=RankGroup(RankPlace(0, 2, 0, 2, url), CPU, 20.0))
+    t.join(30)
+    assert len(errors) == 1 and "KV blocks, max num seqs" in str(errors[0])
