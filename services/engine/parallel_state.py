@@ -105,6 +105,7 @@ class RankGroup:
         # collectives of one group ever interleave.
         self.lock = threading.Lock()
         self.broken: str | None = None
+        self._fail_lock = threading.Lock()
         self._on_failure: list[Callable[[str], None]] = []
         self._on_close: list[Callable[[], None]] = []
         # What this rank knows of the others when a collective fails (its child ranks' exit codes).
@@ -194,9 +195,11 @@ class RankGroup:
     def fail(self, reason: str) -> RankGroupError:
         """Mark the group down (first reason wins), run the failure callbacks, and return the error to
         raise. A rank whose collective failed cannot know what the others did: it must not go on."""
-        first = self.broken is None
+        with self._fail_lock:  # the watchdog thread and a failing collective may report at once
+            first = self.broken is None
+            if first:
+                self.broken = reason
         if first:
-            self.broken = reason
             log.error("tensor-parallel rank %d of %d: %s", self.rank, self.size, reason)
             for callback in self._on_failure:
                 callback(reason)

@@ -18,6 +18,7 @@ import enum
 import threading
 import time
 
+import numpy as np
 import torch
 
 from services.engine.parallel_state import RankGroup
@@ -66,7 +67,7 @@ class StepSender:
         self.group = group
         self.heartbeat_s = heartbeat_s
         self._message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
-        self._fields = self._message[:_HEADER_BYTES].view(torch.int64)
+        self._fields = self._message[:_HEADER_BYTES].numpy().view(np.int64)  # written in one assignment
         self._seq = 0
         self.last_sent = time.monotonic()
         self._stop = threading.Event()
@@ -76,9 +77,7 @@ class StepSender:
     def _send(self, op: Op, header: dict[str, int] | None = None, payload: torch.Tensor | None = None) -> None:
         self._seq += 1
         values = {"op": int(op), "seq": self._seq, **(header or {})}
-        self._fields.zero_()
-        for i, name in enumerate(_FIELDS):
-            self._fields[i] = values.get(name, 0)
+        self._fields[:len(_FIELDS)] = [values.get(name, 0) for name in _FIELDS]
         inline = payload is not None and payload.numel() <= INLINE_BYTES
         if inline:
             self._message[_HEADER_BYTES:_HEADER_BYTES + payload.numel()].copy_(payload)

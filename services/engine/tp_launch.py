@@ -78,6 +78,7 @@ def start_runner(config: EngineConfig, *, exit_on_failure: bool = False, graph_c
     group = RankGroup(RankPlace(0, size, 0, local, rendezvous), device, config.tp_timeout)
     if tmpdir is not None:
         group.on_close(lambda: shutil.rmtree(tmpdir, ignore_errors=True))
+        group.on_failure(lambda reason: shutil.rmtree(tmpdir, ignore_errors=True))
     shares = cpu_shares(local) if device.type == "cpu" else None
     own = OwnShare(shares[0] if shares else None)
     group.on_close(own.restore)

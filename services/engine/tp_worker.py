@@ -61,6 +61,7 @@ def run_worker(config: EngineConfig, node_rank: int, local_rank: int) -> int:
         OwnShare(shares[0] if shares else None)
         ranks = LocalRanks.start(config.as_flags(), node_rank=node_rank, first_rank=rank, local_size=local,
                                  shares=shares)
+    log.info("tensor-parallel rank %d of %d on %s: meeting rank 0 at %s", rank, size, device, config.tp_rendezvous)
     group = RankGroup(RankPlace(rank, size, local_rank, local, config.tp_rendezvous), device, config.tp_timeout)
 
     def die(reason: str) -> None:
