@@ -26,6 +26,13 @@ _SERVICES = {
 }
 
 
+def _add_engine_worker(sub) -> None:
+    p = sub.add_parser("engine-worker", help="one tensor-parallel rank other than 0 (started by the engine, or "
+                       "on another machine of a group that spans machines)")
+    S.add_options(p, S.ENGINE_WORKER_OPTIONS, None)
+    p.set_defaults(handler="services.commands.engine_worker:run")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline from a prompt")
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched together)")
@@ -86,6 +93,7 @@ def _add_bench(sub) -> None:
     t.add_argument("--scale", type=float, default=1.0, help="multiply the number of requests (quick runs)")
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks pagedserve's engine is split across")
     t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
     t.set_defaults(handler="services.bench.throughput:run")
     r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
@@ -157,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         S.add_options(p, options, port)
         p.set_defaults(handler=handler)
+    _add_engine_worker(sub)
     _add_up(sub)
     _add_pod_tools(sub)
     _add_generate(sub)

@@ -1,7 +1,8 @@
 """The offline API, shaped like vLLM's: `LLM(...).generate(prompts, params)` and `.chat(...)`.
 
-Runs the engine core and a model runner in this process; every prompt is validated before any is
-queued, so one bad prompt fails the call without leaving half a batch behind.
+Runs the engine core and a model runner in this process (with tensor_parallel_size N, rank 0 here
+and the other ranks in child processes); every prompt is validated before any is queued, so one bad
+prompt fails the call without leaving half a batch behind.
 """
 
 from __future__ import annotations
@@ -24,19 +25,33 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
-                 max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False):
-        from services.engine.model_runner import ModelRunner
+                 max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0):
+        from services.engine.tp_launch import start_runner
 
-        self.runner = ModelRunner(EngineConfig(
+        # tensor_parallel_size > 1: this process is rank 0 and starts the other ranks as child processes.
+        self.runner = start_runner(EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=parse_bytes(kv_cache_memory), max_model_len=max_model_len,
-            attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs))
+            attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size, tp_timeout=tp_timeout))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
         self._ids = itertools.count()
         self.step_hook = None  # called after every step (benchmarks read KV efficiency through it)
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (they also stop when this object is collected or
+        the interpreter exits); a single-process engine holds nothing to stop."""
+        self.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _to_token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -58,6 +58,21 @@ ATTENTION_BACKEND = Option("--attention-backend", "paged-attention kernels: trit
                            choices=("auto", "triton", "cpu", "reference"))
 ENFORCE_EAGER = Option("--enforce-eager", "run decode steps eagerly instead of replaying CUDA graphs",
                        type=_parse_bool, default=False, is_switch=True)
+LOAD_FORMAT = Option("--load-format", "safetensors: the model's weights; random: random weights in the shapes "
+                     "of the model directory's config.json (benchmarks without a download)", default="safetensors",
+                     choices=("safetensors", "random"))
+TENSOR_PARALLEL_SIZE = Option("--tensor-parallel-size", "ranks (GPUs) one model replica is split across; rank 0 "
+                              "serves the step protocol and starts the others on this machine", type=int, default=1)
+TP_LOCAL_RANKS = Option("--tp-local-ranks", "ranks of the group on each machine (default: all of them on this "
+                        "one; GPUs per node when the group spans machines)", type=int)
+TP_RENDEZVOUS = Option("--tp-rendezvous", "where a group spanning machines meets: tcp://<rank 0's host>:<port> "
+                       "(rank 0 listens on the port); default: a private file on this machine")
+TP_TIMEOUT = Option("--tp-timeout", "seconds a rank waits in a collective, or for rank 0's next message, "
+                    "before the group counts as broken and goes down", type=float, default=60.0)
+TP_NODE_RANK = Option("--tp-node-rank", "which machine of the group this is: its ranks are node_rank * "
+                      "tp_local_ranks onwards (0 is rank 0's machine)", type=int, default=0)
+TP_LOCAL_RANK = Option("--tp-local-rank", "this process's index on its machine (0 starts the machine's other "
+                       "ranks; set by that process for them)", type=int, default=0)
 MAX_MODEL_LEN = Option("--max-model-len", "longest prompt + output in tokens (default: model's limit)", type=int)
 MAX_NUM_SEQS = Option("--max-num-seqs", "cap on requests running in one step", type=int, default=256)
 MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "token budget of one step", type=int, default=2048)
@@ -101,8 +116,12 @@ LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 # The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
-ENGINE_OPTIONS = (ENGINE_HOST, MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN,
-                  ATTENTION_BACKEND, ENFORCE_EAGER, MAX_NUM_SEQS, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+_ENGINE_CORE = (MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, ATTENTION_BACKEND,
+                ENFORCE_EAGER, MAX_NUM_SEQS, LOAD_FORMAT, TENSOR_PARALLEL_SIZE, TP_LOCAL_RANKS, TP_RENDEZVOUS,
+                TP_TIMEOUT)
+ENGINE_OPTIONS = (ENGINE_HOST, *_ENGINE_CORE, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+# A tensor-parallel rank other than 0: no port, no token (it talks only to its group).
+ENGINE_WORKER_OPTIONS = (*_ENGINE_CORE, TP_NODE_RANK, TP_LOCAL_RANK, LOG_LEVEL)
 _SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
@@ -111,18 +130,19 @@ ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE
                   INTERNAL_TOKEN, DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT,
                   MAX_BODY_BYTES, REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
-                 ATTENTION_BACKEND, ENFORCE_EAGER, *_SCHEDULING, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION,
-                 MAX_BODY_BYTES, IN_PROCESS_ENGINE, LOG_LEVEL)
+                 ATTENTION_BACKEND, ENFORCE_EAGER, TENSOR_PARALLEL_SIZE, TP_TIMEOUT, *_SCHEDULING, API_KEYS_FILE,
+                 API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE, LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}
 
 
-def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], port: int) -> None:
-    """Add `options` (and --port) to `parser`; each default comes from its env var when set."""
+def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], port: int | None) -> None:
+    """Add `options` (and --port, unless None) to `parser`; each default comes from its env var when set."""
     seen: set[str] = set()
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_PORT", port)),
-                        help="port to listen on (env PAGEDSERVE_PORT)")
+    if port is not None:
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_PORT", port)),
+                            help="port to listen on (env PAGEDSERVE_PORT)")
     for opt in options:
         if opt.dest in seen:
             continue
@@ -148,7 +168,7 @@ OTHER_ENV_VARS = frozenset({"PAGEDSERVE_PORT", "PAGEDSERVE_CACHE_DIR", "PAGEDSER
 def all_env_vars() -> set[str]:
     """Every env var any service reads (the chart's tests check against this)."""
     names = set(OTHER_ENV_VARS)
-    for group in (ENGINE_OPTIONS, SCHEDULER_OPTIONS, ROUTER_OPTIONS, SERVE_OPTIONS):
+    for group in (ENGINE_OPTIONS, ENGINE_WORKER_OPTIONS, SCHEDULER_OPTIONS, ROUTER_OPTIONS, SERVE_OPTIONS):
         names.update(opt.env for opt in group)
     return names
 

@@ -10,7 +10,8 @@ of Llama-3.2-1B and Llama-3.1-8B, bfloat16). Prints one table (and `--json`):
 3. per model, the engine alone (ModelRunner, synthetic steps, no scheduler): decode tokens/s at batch
    1, 32 and 256, eager and replayed from CUDA graphs, graph capture time, prefill tokens/s at 2,048
    tokens, that the forward makes no host sync (torch.cuda.set_sync_debug_mode("error")), peak memory
-   and the KV blocks allocated.
+   and the KV blocks allocated; with `--tensor-parallel-size N`, the same engine split over N GPUs
+   instead (services/bench/gpu_check_tp.py).
 
 `--device cpu --dry-run` runs the same code at tiny shapes through Triton's interpreter and a fake
 graph capture (make test does, so this script cannot rot without a GPU). It lives in services.bench,
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=540, help="start no measurement after this long")
     parser.add_argument("--models", help="comma-separated subset of the plan's models")
     parser.add_argument("--json", help="also write every row to this file")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: the engine sections run one engine split over N GPUs of this machine")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         if not args.dry_run:
@@ -338,7 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         if name not in plan.models:
             parser.error(f"unknown model {name!r}; this plan has {', '.join(plan.models)}")
-        if not report.out_of_time(f"{name} engine"):
+        if report.out_of_time(f"{name} engine"):
+            continue
+        if args.tensor_parallel_size > 1:
+            from services.bench.gpu_check_tp import check_tensor_parallel
+
+            check_tensor_parallel(report, plan, device, name, plan.models[name], args.tensor_parallel_size)
+        else:
             check_engine(report, plan, device, name, plan.models[name])
     report.add("total", "wall time", f"{time.monotonic() - started:.0f} s")
     report.print_table()

@@ -83,8 +83,9 @@ def run(args) -> int:
     from services import LLM
     from services.bench.null_executor import scheduler_ms_per_step
 
+    tp = getattr(args, "tensor_parallel_size", 1)
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
     requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
     print(f"workload {args.workload}: {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
@@ -92,6 +93,7 @@ def run(args) -> int:
     results = [run_ours(llm, requests)]
     sched_256 = scheduler_ms_per_step(llm.tokenizer, num_running=256)
     model_dir = llm.runner.model_dir
+    llm.close()
     del llm
     for name in [a.strip() for a in args.against.split(",") if a.strip() and a.strip() != "none"]:
         if name == "transformers":
@@ -107,7 +109,7 @@ def run(args) -> int:
     for r in results[1:]:
         if "tokens_per_s" in r:
             r["pagedserve_ratio"] = ours["tokens_per_s"] / r["tokens_per_s"]
-    report = {"workload": args.workload, "dtype": args.dtype, "requests": len(requests),
+    report = {"workload": args.workload, "dtype": args.dtype, "tensor_parallel_size": tp, "requests": len(requests),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results,
               "scheduler_ms_per_step_at_256_running": sched_256}
     _print_table(report)

@@ -2,6 +2,7 @@
 
 It listens on loopback by default (its scheduler sits beside it, in the same pod or machine); bound
 anywhere else it refuses to start without an internal token, which every message must then carry.
+With --tensor-parallel-size N it is rank 0 of a group of N ranks (services/engine/tp_launch.py).
 """
 
 from __future__ import annotations
@@ -31,12 +32,25 @@ def run(args) -> int:
     if token is None and not is_loopback(args.host):
         raise SystemExit(f"pagedserve engine: --host {args.host} would let anyone who reaches the port run steps "
                          "and reset the KV cache; give it --internal-token-file (or listen on 127.0.0.1)")
-    from services.engine.model_runner import ModelRunner
+    from services.engine.tp_launch import start_runner
+    from services.engine.tp_shard import TensorParallelConfigError
 
-    runner = ModelRunner(EngineConfig.from_args(args))
+    try:
+        config = EngineConfig.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve engine: {exc}") from None
+    try:
+        # With --tensor-parallel-size N this process is rank 0: it starts the other ranks of this
+        # machine, and exits when the group goes down (whoever supervises it restarts the group).
+        runner = start_runner(config, exit_on_failure=True)
+    except TensorParallelConfigError as exc:
+        raise SystemExit(f"pagedserve engine: {exc}") from None
     server = EngineServer(runner, f"tcp://{args.host}:{args.port}", token)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        runner.close()
     log.info("engine stopped after %d steps", server.steps_served)
     return 0

@@ -37,10 +37,10 @@ ENGINE_STEP_TIMEOUT = 120.0
 
 def _in_process_engine(args):
     from services.engine.config import EngineConfig
-    from services.engine.model_runner import ModelRunner
+    from services.engine.tp_launch import start_runner
     from services.scheduler.executor import InProcessExecutor
 
-    runner = ModelRunner(EngineConfig.from_args(args))
+    runner = start_runner(EngineConfig.from_args(args))
     return InProcessExecutor(runner), runner.model_dir
 
 

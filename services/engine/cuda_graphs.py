@@ -109,7 +109,6 @@ class DecodeGraphs:
         self.width = -(-self.max_context // block_size)
         self.sizes = capture_sizes(max_num_seqs)
         self.buckets: dict[int, _Bucket] = {}
-        cfg = model.config
         started = time.monotonic()
         for size in reversed(self.sizes):
             pad = padding_step(size, self.width, block_size)
@@ -118,7 +117,7 @@ class DecodeGraphs:
             meta = AttentionMetadata(
                 slot_mapping=t.slot_mapping, num_decode=size, decode_block_tables=t.decode_block_tables,
                 decode_context_lens=t.decode_context_lens, decode_max_context_len=self.max_context,
-                decode_num_splits=attention.backend.num_splits(size, cfg.num_kv_heads, self.max_context),
+                decode_num_splits=attention.backend.num_splits(size, model.num_kv_heads, self.max_context),
                 prefill_block_tables=None, prefill_query_start_loc=None, prefill_context_lens=None)
 
             def forward(t=t, meta=meta):

@@ -3,11 +3,18 @@
 Selective batching: every token of every sequence goes through the linear layers as one [T, hidden]
 matrix; only attention looks at per-sequence history, through the paged KV cache. Q/K/V and gate/up
 projections are fused into one matrix each so a layer does four matrix products.
+
+Tensor parallel (a `RankGroup` and this rank's `TensorParallelShard`): the fused Q/K/V and gate/up
+matrices hold this rank's heads and MLP rows (column-parallel), o_proj and down its columns
+(row-parallel: one all-reduce each), the embedding and LM head its vocabulary rows (the embedding's
+partial rows are summed; the LM head's logits for the sampled rows are gathered on rank 0, outside
+the forward so a CUDA graph never captures a gather). Without a group no collective runs at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +22,10 @@ import torch.nn.functional as F
 from services.engine.attention import AttentionMetadata, PagedAttention
 from services.engine.linear import make_linear_factory
 from services.engine.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from services.engine.parallel_state import RankGroup
+    from services.engine.tp_shard import TensorParallelShard
 
 
 @dataclass
@@ -58,16 +69,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def weight_bytes(weights: dict) -> int:
+    """Bytes of a model's weight tensors (a tied LM head counted once)."""
+    tensors = [weights["embed"], weights["norm"], *(t for layer in weights["layers"] for t in layer.values())]
+    if weights["lm_head"] is not weights["embed"]:
+        tensors.append(weights["lm_head"])
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module machinery on the hot path)."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, attention_backend: str = "auto"):
+                 dtype: torch.dtype, attention_backend: str = "auto", group: RankGroup | None = None,
+                 shard: TensorParallelShard | None = None):
         self.config = config
         self.device, self.dtype = device, dtype
         c = config
-        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        assert (group is None) == (shard is None)
+        self.group, self.shard = group, shard
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = c.num_heads if shard is None else shard.num_heads
+        self.num_kv_heads = c.num_kv_heads if shard is None else shard.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.scale = c.head_dim ** -0.5
+        self.weight_bytes = weight_bytes(weights)
         linear = make_linear_factory(device, dtype)
         self.embed = weights["embed"]
         self.layers = [{
@@ -78,8 +104,8 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.lm_head = linear(weights["lm_head"])
         # The plain output embedding: the sampler rescores half-precision near-ties of greedy rows with
-        # it and the final hidden state, in float32.
-        self.head_weight = weights["lm_head"]
+        # it and the final hidden state, in float32. A rank holds only part of it: no rescoring then.
+        self.head_weight = weights["lm_head"] if group is None else None
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                     dtype, device)
         self.attn = PagedAttention(attention_backend, device)
@@ -99,10 +125,13 @@ class LlamaModel:
         c = self.config
         eps = c.rms_norm_eps
         fused = self.fused
-        h = F.embedding(input_ids, self.embed)
+        reduce = None if self.group is None else self.group.all_reduce
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        h = F.embedding(input_ids, self.embed) if reduce is None else self._embed_shard(input_ids)
         T = h.shape[0]
+        last = len(self.layers) - 1
         delta = None  # output of the previous sub-layer, not yet added to the residual stream h
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if fused is not None:
                 x = fused.add_rms_norm(h, delta, layer["input_norm"], eps)  # also h += delta, in place
             else:
@@ -110,17 +139,18 @@ class LlamaModel:
                 x = rms_norm(h, layer["input_norm"], eps)
             qkv = layer["qkv"](x)
             if fused is not None:
-                fused.rope_inplace(qkv, positions, self.rope.cos, self.rope.sin, c.num_heads + c.num_kv_heads,
-                                   c.head_dim)
+                fused.rope_inplace(qkv, positions, self.rope.cos, self.rope.sin, heads + kv_heads, c.head_dim)
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-                q = q.view(T, c.num_heads, c.head_dim)
-                k = k.view(T, c.num_kv_heads, c.head_dim)
+                q = q.view(T, heads, c.head_dim)
+                k = k.view(T, kv_heads, c.head_dim)
             else:
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-                q, k = self.rope(positions, q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim))
-            v = v.view(T, c.num_kv_heads, c.head_dim)
+                q, k = self.rope(positions, q.view(T, heads, c.head_dim), k.view(T, kv_heads, c.head_dim))
+            v = v.view(T, kv_heads, c.head_dim)
             o = self.attn(q, k, v, k_cache, v_cache, meta, self.scale)
             delta = layer["o"](o.reshape(T, self.q_size))
+            if reduce is not None:
+                reduce(delta)
             if fused is not None:
                 x = fused.add_rms_norm(h, delta, layer["post_norm"], eps)
                 act = fused.silu_mul(layer["gate_up"](x))
@@ -130,6 +160,29 @@ class LlamaModel:
                 gate, up = layer["gate_up"](x).chunk(2, dim=-1)
                 act = F.silu(gate) * up
             delta = layer["down"](act)
-        h = h.index_select(0, sample_idx) + delta.index_select(0, sample_idx)
+            if reduce is not None and i != last:
+                reduce(delta)
+        delta = delta.index_select(0, sample_idx)
+        if reduce is not None:  # the last layer's MLP feeds only the sampled rows: reduce just those
+            reduce(delta)
+        h = h.index_select(0, sample_idx) + delta
         hidden = rms_norm(h, self.norm, eps)
         return self.lm_head(hidden), hidden
+
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding: this rank's rows where it holds the token, zeros elsewhere, summed."""
+        lo, hi = self.shard.vocab_rows
+        outside = (input_ids < lo) | (input_ids >= hi)
+        h = F.embedding((input_ids - lo).masked_fill_(outside, 0), self.embed)
+        h.masked_fill_(outside.unsqueeze(1), 0)
+        return self.group.all_reduce(h)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """The sampled rows' logits over the whole vocabulary on rank 0 (None on the other ranks), from
+        every rank's [rows, vocab_shard] piece."""
+        pieces = self.group.gather_to_first(local.contiguous())
+        if pieces is None:
+            return None
+        logits = torch.cat(pieces, dim=1)
+        vocab = self.config.vocab_size
+        return logits if logits.shape[1] == vocab else logits[:, :vocab].contiguous()

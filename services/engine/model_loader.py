@@ -1,17 +1,30 @@
 """Loads Llama-family weights from a Hugging Face safetensors directory into fused, device-ready tensors,
-or draws random ones in a model's real shapes (benchmarks on a machine with no model to download)."""
+or draws random ones in a model's real shapes (benchmarks on a machine with no model to download).
+
+Tensors are read one at a time, each from its own short-lived mapping of its file, so the loader's
+peak is the model plus one tensor, not the model twice. A tensor-parallel rank reads only its shard
+(`TensorParallelShard`): row ranges of Q/K/V, gate/up and the vocabulary, column ranges of o_proj and
+down, through safetensors slices, never the whole tensor.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from services.engine.llama import LlamaConfig, LlamaModel
+from services.engine.tp_shard import TensorParallelShard
+
+if TYPE_CHECKING:
+    from services.engine.parallel_state import RankGroup
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+Range = tuple[int, int] | None  # None: the whole dimension
 
 
 def read_config(model_dir: Path) -> dict:
@@ -22,63 +35,102 @@ def read_config(model_dir: Path) -> dict:
     return cfg
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name.removeprefix("model.")] = handle.get_tensor(name)
-    return tensors
+def plan_shard(config: LlamaConfig, group: RankGroup | None) -> TensorParallelShard | None:
+    return None if group is None else TensorParallelShard.for_config(config, group.size, group.rank)
 
 
-def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "auto") -> tuple[LlamaModel, dict]:
+class Checkpoint:
+    """The tensors of a safetensors directory by name ("model." prefix dropped), read on demand."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+        self.where: dict[str, tuple[Path, str]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    self.where[name.removeprefix("model.")] = (f, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def read(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        """The tensor, or only rows [a, b) / columns [a, b) of a matrix (bytes outside are never read)."""
+        if name not in self.where:
+            raise KeyError(f"weight {name!r} missing from {self.model_dir}")
+        path, full = self.where[name]
+        with safe_open(str(path), framework="pt") as handle:
+            if rows is None and cols is None:
+                return handle.get_tensor(full)
+            part = handle.get_slice(full)
+            if cols is None:
+                return part[rows[0]:rows[1]]
+            return part[:, cols[0]:cols[1]]
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocabulary shard padded with zero rows to the size every rank's shard has."""
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
+               group: RankGroup | None = None) -> tuple[LlamaModel, dict]:
+    """The model (this rank's shard of it when `group` is given) and its Hugging Face config."""
     model_dir = Path(model_dir)
     hf_cfg = read_config(model_dir)
     config = LlamaConfig.from_hf(hf_cfg)
-    t = _read_tensors(model_dir)
-
-    def take(name: str) -> torch.Tensor:
-        if name not in t:
-            raise KeyError(f"weight {name!r} missing from {model_dir}")
-        return t.pop(name)
+    shard = plan_shard(config, group)
+    ckpt = Checkpoint(model_dir)
+    whole = shard is None
+    q, kv = (None, None) if whole else (shard.q_rows, shard.kv_rows)
+    mlp = None if whole else shard.mlp_rows
+    vocab = None if whole else shard.vocab_rows
 
     def put(x: torch.Tensor) -> torch.Tensor:
         return x.to(device=device, dtype=dtype).contiguous()
+
+    def qkv(p: str, kind: str) -> torch.Tensor:
+        return torch.cat([ckpt.read(p + f"self_attn.q_proj.{kind}", q), ckpt.read(p + f"self_attn.k_proj.{kind}", kv),
+                          ckpt.read(p + f"self_attn.v_proj.{kind}", kv)])
 
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
         layer = {
-            "input_norm": put(take(p + "input_layernorm.weight")),
-            "post_norm": put(take(p + "post_attention_layernorm.weight")),
-            "qkv": put(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
-            "o": put(take(p + "self_attn.o_proj.weight")),
-            "gate_up": put(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-            "down": put(take(p + "mlp.down_proj.weight")),
+            "input_norm": put(ckpt.read(p + "input_layernorm.weight")),
+            "post_norm": put(ckpt.read(p + "post_attention_layernorm.weight")),
+            "qkv": put(qkv(p, "weight")),
+            "o": put(ckpt.read(p + "self_attn.o_proj.weight", cols=q)),
+            "gate_up": put(torch.cat([ckpt.read(p + "mlp.gate_proj.weight", mlp),
+                                      ckpt.read(p + "mlp.up_proj.weight", mlp)])),
+            "down": put(ckpt.read(p + "mlp.down_proj.weight", cols=mlp)),
         }
-        if p + "self_attn.q_proj.bias" in t:
-            layer["qkv_bias"] = put(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
-        if p + "self_attn.o_proj.bias" in t:
-            layer["o_bias"] = put(take(p + "self_attn.o_proj.bias"))
+        if p + "self_attn.q_proj.bias" in ckpt:
+            layer["qkv_bias"] = put(qkv(p, "bias"))
+        # A row-parallel layer's bias is added once: by rank 0, before the partial outputs are summed.
+        if p + "self_attn.o_proj.bias" in ckpt and (whole or shard.rank == 0):
+            layer["o_bias"] = put(ckpt.read(p + "self_attn.o_proj.bias"))
         layers.append(layer)
-    embed = put(take("embed_tokens.weight"))
-    if "lm_head.weight" in t and not config.tie_word_embeddings:
-        lm_head = put(take("lm_head.weight"))
-    else:
-        lm_head = embed
-    weights = {"embed": embed, "layers": layers, "norm": put(take("norm.weight")), "lm_head": lm_head}
-    return LlamaModel(config, weights, device, dtype, attention_backend), hf_cfg
+
+    def vocab_rows(name: str) -> torch.Tensor:
+        x = ckpt.read(name, vocab)
+        return put(x if whole else _pad_rows(x, shard.vocab_shard))
+
+    embed = vocab_rows("embed_tokens.weight")
+    lm_head = vocab_rows("lm_head.weight") if "lm_head.weight" in ckpt and not config.tie_word_embeddings else embed
+    weights = {"embed": embed, "layers": layers, "norm": put(ckpt.read("norm.weight")), "lm_head": lm_head}
+    return LlamaModel(config, weights, device, dtype, attention_backend, group, shard), hf_cfg
 
 
 def random_llama(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
-                 seed: int = 0) -> LlamaModel:
-    """A Llama of `hf_cfg`'s shapes with random weights drawn on the device (no download, no disk)."""
+                 seed: int = 0, group: RankGroup | None = None) -> LlamaModel:
+    """A Llama of `hf_cfg`'s shapes with random weights drawn on the device (no download, no disk); with
+    `group`, this rank's shard's shapes."""
     c = LlamaConfig.from_hf(hf_cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    shard = plan_shard(c, group)
+    gen = torch.Generator(device=device).manual_seed(seed + (0 if shard is None else shard.rank))
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(std)
@@ -86,12 +138,15 @@ def random_llama(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attenti
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
 
-    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    heads, kv_heads = (c.num_heads, c.num_kv_heads) if shard is None else (shard.num_heads, shard.num_kv_heads)
+    inter = c.intermediate_size if shard is None else shard.intermediate
+    vocab = c.vocab_size if shard is None else shard.vocab_shard
+    qkv_rows = (heads + 2 * kv_heads) * c.head_dim
     layers = [{"input_norm": ones(c.hidden_size), "post_norm": ones(c.hidden_size),
-               "qkv": rand(qkv_rows, c.hidden_size), "o": rand(c.hidden_size, c.num_heads * c.head_dim),
-               "gate_up": rand(2 * c.intermediate_size, c.hidden_size),
-               "down": rand(c.hidden_size, c.intermediate_size)} for _ in range(c.num_layers)]
-    embed = rand(c.vocab_size, c.hidden_size)
-    lm_head = embed if c.tie_word_embeddings else rand(c.vocab_size, c.hidden_size)
+               "qkv": rand(qkv_rows, c.hidden_size), "o": rand(c.hidden_size, heads * c.head_dim),
+               "gate_up": rand(2 * inter, c.hidden_size),
+               "down": rand(c.hidden_size, inter)} for _ in range(c.num_layers)]
+    embed = rand(vocab, c.hidden_size)
+    lm_head = embed if c.tie_word_embeddings else rand(vocab, c.hidden_size)
     weights = {"embed": embed, "layers": layers, "norm": ones(c.hidden_size), "lm_head": lm_head}
-    return LlamaModel(c, weights, device, dtype, attention_backend)
+    return LlamaModel(c, weights, device, dtype, attention_backend, group, shard)

@@ -4,6 +4,12 @@ Owns the weights, the KV cache tensors (one key and one value tensor per layer s
 `[num_blocks, block_size, num_kv_heads, head_dim]`) and the decode CUDA graphs. Per step: validate and
 lay out the inputs on the host (services/engine/step_inputs.py), copy them to the device once, run the
 forward (eagerly, or a decode step replayed from its graph), sample. Makes no scheduling decision.
+
+With a `RankGroup` it is one rank of a tensor-parallel engine: it holds its shard of the weights and
+of the KV cache (its KV heads, the same blocks as every rank). Rank 0 executes steps as above and
+broadcasts each validated step's buffer to the other ranks before its forward
+(services/engine/step_broadcast.py); they run the same forward from it (`run_step`,
+services/engine/tp_worker.py); rank 0 samples from the gathered logits.
 """
 
 from __future__ import annotations
@@ -13,13 +19,17 @@ import logging
 from pathlib import Path
 
 import torch
+import xxhash
 
 import kernels.cpu as cpu_kernels
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
-from services.engine.model_loader import load_llama, random_llama
+from services.engine.load_memory import RankMemory, memory_in_use
+from services.engine.model_loader import load_llama, random_llama, read_config
+from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
+from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
 from services.model_source import model_id_of, resolve_model
@@ -28,6 +38,11 @@ from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutpu
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _code(text: str) -> int:
+    """A string as an int64 (ranks compare settings through an integer all-gather)."""
+    return xxhash.xxh3_64_intdigest(text.encode()) & ((1 << 63) - 1)
 
 
 def pick_device(device: str) -> torch.device:
@@ -69,33 +84,42 @@ class ModelRunner:
     """`graph_capture`: how decode graphs are captured (default: CUDA graphs on a CUDA device with the
     Triton backend, unless `config.enforce_eager`; tests pass a FakeGraphCapture on the CPU).
     `random_weights`: a Hugging Face config dict to build that model with random weights instead of
-    loading `config.model` (the GPU check, on a machine with nothing to download)."""
+    loading `config.model` (the GPU check, on a machine with nothing to download).
+    `group`: this rank's tensor-parallel group (None: the whole model in this process)."""
 
-    def __init__(self, config: EngineConfig, *, graph_capture=None, random_weights: dict | None = None):
+    def __init__(self, config: EngineConfig, *, graph_capture=None, random_weights: dict | None = None,
+                 group: RankGroup | None = None):
         dtype, block_size = config.dtype, config.block_size
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.config = config
-        self.device = pick_device(config.device)
+        self.group = group
+        self.device = group.device if group is not None else pick_device(config.device)
         self.dtype = _DTYPES[dtype]
         backend = resolve_backend(config.attention_backend, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")
+        start_bytes = memory_in_use(self.device)
+        if random_weights is None and config.load_format == "random":
+            random_weights = read_config(resolve_model(config.model))
         if random_weights is None:
             self.model_dir = resolve_model(config.model)
-            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend)
+            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group)
             model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
         else:
             self.model_dir, hf_cfg = None, random_weights
-            self.model = random_llama(hf_cfg, self.dtype, self.device, backend)
+            self.model = random_llama(hf_cfg, self.dtype, self.device, backend, group=group)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
+        if group is not None:
+            group.connect()  # every rank has its shard by now
         cfg = self.model.config
         self.block_size = block_size
-        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        # A rank's cache holds its own KV heads: the same number of blocks fits on every rank.
+        per_block = 2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         self.num_kv_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
-        shape = (self.num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_kv_blocks, block_size, self.model.num_kv_heads, cfg.head_dim)
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
@@ -105,6 +129,10 @@ class ModelRunner:
         self.arena.zero_()
         self.kv_caches = [(self.arena[i, 0], self.arena[i, 1]) for i in range(cfg.num_layers)]
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.memory = [RankMemory(0 if group is None else group.rank, self.model.weight_bytes,
+                                  self.arena.numel() * self.arena.element_size(), start_bytes)]
+        if group is not None:
+            self.memory = self._check_group_geometry(hf_cfg)
         # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
         # a first build takes about a minute that must not land on the first request after "ready".
         built = cpu_kernels.load() if self.device.type == "cpu" else None
@@ -113,15 +141,45 @@ class ModelRunner:
                                fast.argmax_rows_exact if fast is not None else None)
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
                                                   cfg.vocab_size), self.device)
+        # Every rank captures the same graphs in the same order: their collectives pair up.
         self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
+        self.sender = None
+        if group is not None and group.rank == 0:
+            self.sender = StepSender(group, heartbeat_s=min(5.0, group.timeout_s / 4))
+            self.sender.start_heartbeat()
         self.info = EngineInfo(
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
             eos_token_ids=eos)
-        log.info("engine ready: %s on %s, %s attention%s, %d KV blocks of %d tokens (%.2f GiB)",
-                 self.info.model_id, self.device, backend,
-                 ", CUDA graphs" if self.graphs is not None else "", self.num_kv_blocks, block_size,
-                 self.num_kv_blocks * per_block / 2**30)
+        if group is not None and group.rank != 0:
+            log.info("tensor-parallel rank %d of %d ready on %s: %s", group.rank, group.size, self.device,
+                     self.memory[group.rank].describe())
+            return
+        tp = "" if group is None else f", tensor parallel over {group.size} ranks"
+        log.info("engine ready: %s on %s, %s attention%s%s, %d KV blocks of %d tokens (%.2f GiB%s)",
+                 self.info.model_id, self.device, backend, ", CUDA graphs" if self.graphs is not None else "", tp,
+                 self.num_kv_blocks, block_size, self.num_kv_blocks * per_block / 2**30,
+                 "" if group is None else " per rank")
+        for m in self.memory:
+            log.info("memory: %s", m.describe())
+
+    def _check_group_geometry(self, hf_cfg: dict) -> list[RankMemory]:
+        """Every rank must agree on the pool, the model and what its collectives depend on (the
+        scheduler sees only rank 0's; ranks on other machines get their flags separately); returns
+        every rank's memory figures."""
+        cfg = self.model.config
+        agree = {"KV blocks": self.num_kv_blocks, "max model length": self.max_model_len,
+                 "vocabulary": cfg.vocab_size, "block size": self.block_size, "dtype": _code(self.config.dtype),
+                 "attention backend": _code(self.model.attn.name), "enforce eager": int(self.config.enforce_eager),
+                 "max num seqs": self.config.max_num_seqs, "model config": _code(json.dumps(hf_cfg, sort_keys=True))}
+        mine = self.memory[0]
+        rows = self.group.all_gather_ints([*agree.values(), mine.weight_bytes, mine.kv_cache_bytes, mine.start_bytes])
+        n = len(agree)
+        differ = [name for i, name in enumerate(agree) if len({r[i] for r in rows}) > 1]
+        if differ:
+            raise self.group.fail(f"the ranks disagree on {', '.join(differ)}: give every rank the same engine flags "
+                                  f"and model")
+        return [RankMemory(rank, *r[n:]) for rank, r in enumerate(rows)]
 
     def capture_decode_graphs(self, capture=None) -> DecodeGraphs | None:
         """Decode graphs for every batch size up to max_num_seqs (None where none can be captured:
@@ -138,7 +196,17 @@ class ModelRunner:
                             self.config.max_num_seqs, self.max_model_len, capture)
 
     def reset(self) -> None:
+        if self.sender is not None:
+            with self.group.exclusive("reset"):
+                self.sender.send(Op.RESET)
+                self.arena.zero_()
+            return
         self.arena.zero_()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do for a single process)."""
+        if self.sender is not None:
+            self.sender.shutdown()
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # Every layer's keys and values at once: the arena's block axis is dimension 2.
@@ -146,8 +214,8 @@ class ModelRunner:
 
     def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
         nd = step.num_decode
-        splits = (self.model.attn.backend.num_splits(nd, self.model.config.num_kv_heads,
-                                                     step.decode_max_context_len) if nd else None)
+        splits = (self.model.attn.backend.num_splits(nd, self.model.num_kv_heads, step.decode_max_context_len)
+                  if nd else None)
         return AttentionMetadata(
             slot_mapping=t.slot_mapping, num_decode=nd, decode_block_tables=t.decode_block_tables,
             decode_context_lens=t.decode_context_lens, decode_max_context_len=step.decode_max_context_len,
@@ -156,25 +224,40 @@ class ModelRunner:
             prefill_max_query_len=step.prefill_max_query_len, prefill_max_context_len=step.prefill_max_context_len,
             prefill_spans=step.prefill_spans, step_cache={})
 
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """Copy-on-write, then the forward of a validated step: (logits of the sampled rows, final hidden
+        state), or None when nothing is computed. On a tensor-parallel rank other than 0 the logits are
+        None (they were gathered on rank 0). Call it under torch.inference_mode()."""
+        if step.graph_batch is not None:
+            logits, hidden = self.graphs.run(step)
+        else:
+            t = step.upload(self.device)
+            if step.num_copies:
+                self._copy_blocks(t.copy_src, t.copy_dst)
+            if not step.num_tokens:
+                return None
+            logits, hidden = self.model.forward(t.input_ids, t.positions, self._metadata(step, t), self.kv_caches,
+                                                t.sample_idx)
+        if self.group is not None and step.num_sampled:
+            logits = self.model.gather_logits(logits[:step.num_sampled])
+        return logits, hidden
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Raises InvalidStepError (naming the sequences) before touching the device for a bad step."""
         graphs = self.graphs
         step = self.inputs.build(out, graphs.batch_for if graphs is not None else None)
         result = ModelRunnerOutput(step_id=out.step_id)
-        if step.graph_batch is not None:
-            logits, hidden = graphs.run(step)
+        if self.sender is None:
+            ran = self.run_step(step)
         else:
-            t = step.upload(self.device)
-            if step.num_copies:
-                self._copy_blocks(t.copy_src, t.copy_dst)
-            if not step.num_tokens:
-                return result
-            logits, hidden = self.model.forward(t.input_ids, t.positions, self._metadata(step, t), self.kv_caches,
-                                                t.sample_idx)
+            with self.group.exclusive(f"step {out.step_id}"):
+                self.sender.send_step(step)
+                ran = self.run_step(step)
         rows = step.rows
-        if not rows:
+        if ran is None or not rows:
             return result
+        logits, hidden = ran
         n = len(rows)
         tokens, logprobs = self.sampler(logits[:n], rows, hidden[:n], self.model.head_weight)
         for seq_id, tok, lp in zip(step.owners, tokens, logprobs, strict=True):

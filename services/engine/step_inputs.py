@@ -10,7 +10,8 @@ pool and the model (services/engine/step_validation.py) and raises `InvalidStepE
 sequences at fault before any kernel runs.
 
 This is the one typed place a step's host-side inputs live: the model runner, the CUDA-graph runner
-and (later) every tensor-parallel rank build from the same `StepInputs`.
+and every tensor-parallel rank run the same `StepInputs` (rank 0 builds it; the others receive its
+buffer, services/engine/step_broadcast.py).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class StepInputs:
     num_copies: int = 0
     graph_batch: int | None = None  # a decode-only step padded to this captured batch size
     num_real_decodes: int = 0
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows whose logits are wanted: a graph step's padding rows never are."""
+        return self.num_real_decodes if self.graph_batch is not None else self.layout.shapes["sample_idx"][0]
 
     def upload(self, device: torch.device) -> StepTensors:
         """The one host-to-device copy of the step (non-blocking from pinned memory; none on the CPU)."""

@@ -21,9 +21,11 @@ RELEASE = "llm"
 NAMESPACE = "serving"
 # The oldest minor still common on managed clusters and the newest kubernetes-validate ships schemas for.
 KUBE_VERSIONS = ("1.33", "1.37")
-# Kinds from CRDs: no built-in schema; tests/charts checks their structure itself.
-CRD_KINDS = frozenset({"ServiceMonitor", "ScaledObject", "HTTPRoute"})
-PAGEDSERVE_CONTAINERS = {"router": "router", "engine": "engine", "scheduler": "scheduler"}
+# Kinds from CRDs: no built-in schema; tests/charts checks their structure itself (LeaderWorkerSet:
+# against its CRD's pinned schema, tests/charts/lws_schema.py).
+CRD_KINDS = frozenset({"ServiceMonitor", "ScaledObject", "HTTPRoute", "LeaderWorkerSet"})
+PAGEDSERVE_CONTAINERS = {"router": "router", "engine": "engine", "scheduler": "scheduler",
+                         "engine-worker": "engine-worker"}
 
 
 def variant_files() -> dict[str, Path | None]:
@@ -77,7 +79,12 @@ class Rendered:
         return matches[0]
 
     def workloads(self) -> list[dict]:
-        return [o for o in self.all() if o["kind"] in ("Deployment", "StatefulSet", "Pod")]
+        """Objects that make pods: Deployments, StatefulSets, Pods, and each pod template of a
+        LeaderWorkerSet (leader and worker) as a workload of kind LeaderWorkerSet."""
+        out = [o for o in self.all() if o["kind"] in ("Deployment", "StatefulSet", "Pod")]
+        for lws in self.of_kind("LeaderWorkerSet"):
+            out += lws_pod_templates(lws)
+        return out
 
     def workload(self, component: str) -> dict:
         matches = [w for w in self.workloads() if pod_labels(w).get("app.kubernetes.io/component") == component]
@@ -96,6 +103,13 @@ class Rendered:
 
     def secret_value(self, name: str, key: str) -> str:
         return base64.b64decode(self.get("Secret", name)["data"][key]).decode()
+
+
+def lws_pod_templates(lws: dict) -> list[dict]:
+    """A LeaderWorkerSet's leader and worker pod templates, each as {kind, role, metadata, spec.template}."""
+    templates = lws["spec"]["leaderWorkerTemplate"]
+    return [{"kind": "LeaderWorkerSet", "role": role, "metadata": lws["metadata"],
+             "spec": {"template": templates[f"{role}Template"]}} for role in ("leader", "worker")]
 
 
 def pod_spec(workload: dict) -> dict:

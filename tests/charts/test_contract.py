@@ -20,8 +20,11 @@ from tests.charts.chart_render import VARIANTS, pod_spec, render
 _EXPANSION = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # The health endpoint every HTTP service serves (200 when ready, 503 otherwise).
 HEALTH_PATH = "/health"
-# Read by the container runtime, not by a service: NVIDIA's runtime exposes the GPUs it names.
-RUNTIME_ENV_VARS = {"NVIDIA_VISIBLE_DEVICES"}
+# Read by the container runtime, not by a service: NVIDIA's runtime exposes the GPUs it names; and by
+# the libraries under the engine's tensor-parallel ranks (torch.distributed's gloo, NCCL).
+RUNTIME_ENV_VARS = {"NVIDIA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+# Set in every container of a LeaderWorkerSet's pods by its controller (so $(...) may refer to them).
+LWS_ENV_VARS = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
 
 
 def parse(container: dict) -> argparse.Namespace:
@@ -44,8 +47,11 @@ def port_number(container: dict, port) -> int:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_container_command_is_a_real_subcommand_with_valid_flags(variant):
-    containers = render(variant).pagedserve_containers()
-    assert {c["name"] for _, c in containers} == {"router", "engine", "scheduler"}
+    rendered = render(variant)
+    containers = rendered.pagedserve_containers()
+    # A replica spanning nodes also has worker pods, whose engine container runs the other ranks.
+    workers = {"engine-worker"} if rendered.of_kind("LeaderWorkerSet") else set()
+    assert {c["name"] for _, c in containers} == {"router", "engine", "scheduler"} | workers
     for _, container in containers:
         args = parse(container)
         assert args.command == container["name"], f"container {container['name']} runs `{args.command}`"
@@ -63,7 +69,8 @@ def _user_env(variant: str) -> set[str]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_env_var_is_read_by_the_services(variant):
     known = settings.all_env_vars() | _user_env(variant)
-    for _, container in render(variant).pagedserve_containers():
+    for workload, container in render(variant).pagedserve_containers():
+        injected = LWS_ENV_VARS if workload["kind"] == "LeaderWorkerSet" else set()
         env = container.get("env", [])
         names = [e["name"] for e in env]
         referenced = {ref for e in env for ref in _EXPANSION.findall(e.get("value", ""))}
@@ -75,7 +82,7 @@ def test_every_env_var_is_read_by_the_services(variant):
             assert not name.startswith("PAGEDSERVE_"), f"{container['name']}: {name} is no setting of any service"
             assert name in referenced, f"{container['name']}: sets {name}, which no service reads"
         for ref in referenced:
-            assert ref in names, f"{container['name']}: $({ref}) refers to an unset variable"
+            assert ref in names or ref in injected, f"{container['name']}: $({ref}) refers to an unset variable"
         assert len(names) == len(set(names)), f"{container['name']}: duplicate env vars {names}"
 
 
@@ -173,7 +180,7 @@ def test_gpu_count_decides_device_and_resources(variant):
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
     for _, container in rendered.pagedserve_containers():
-        if container["name"] != "engine":
+        if container["name"] not in ("engine", "engine-worker"):
             assert not any("/" in k for part in container["resources"].values() for k in part)
 
 

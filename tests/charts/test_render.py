@@ -2,7 +2,9 @@
 
 Built-in kinds are validated against the Kubernetes OpenAPI schemas shipped by kubernetes-validate, in
 strict mode (unknown fields rejected), for two Kubernetes minors. CRD kinds have no built-in schema:
-their structure is checked here against the fields of their CRDs that the chart uses.
+their structure is checked here against the fields of their CRDs that the chart uses, and a
+LeaderWorkerSet against its CRD's whole pinned schema (tests/charts/fixtures), its pod templates
+against the built-in PodTemplate schema too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import kubernetes_validate
 import kubernetes_validate.utils as kv_utils
 import pytest
 
+from tests.charts import lws_schema
 from tests.charts.chart_render import (
     CHART,
     CRD_KINDS,
@@ -22,6 +25,7 @@ from tests.charts.chart_render import (
     NAMESPACE,
     VARIANTS,
     helm,
+    lws_pod_templates,
     render,
     template_args,
 )
@@ -117,6 +121,13 @@ def _crd_schema(kind: str) -> dict:
 
 
 def _validate_crd_object(obj: dict, kube_version: str) -> None:
+    if obj["kind"] == "LeaderWorkerSet":
+        # Its CRD's own pinned schema, strictly; then each pod template as the built-in kind it is.
+        lws_schema.validate(obj)
+        for template in lws_pod_templates(obj):
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
+                                          "template": template["spec"]["template"]}, kube_version, strict=True)
+        return
     jsonschema.validate(obj, _crd_schema(obj["kind"]))
     if obj["kind"] == "ScaledObject":
         # KEDA hands this behavior to the HPA it creates: validate it as an autoscaling/v2 HPA's.

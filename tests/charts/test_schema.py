@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from services import settings
-from tests.charts.chart_render import CHART, render_error
+from tests.charts.chart_render import CHART, render, render_error
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -102,12 +102,49 @@ def test_values_yaml_documents_every_top_level_key():
         assert lines[index - 1].startswith("#"), f"values.yaml: {key} has no comment above it"
 
 
-def test_more_than_one_gpu_per_replica_is_refused_until_tensor_parallelism():
-    """One obvious place refuses gpus > 1 (the schema); the issue that adds tensor parallelism lifts it."""
-    err = render_error("--set", "replica.engine.gpus=2")
-    assert "/replica/engine/gpus" in err and "maximum: got 2, want 1" in err
-    assert "tensor parallelism" in SCHEMA["properties"]["replica"]["properties"]["engine"]["properties"]["gpus"][
-        "description"]
+@pytest.mark.parametrize("args, where, reason", [
+    # The bundled SmolLM2-135M: 9 heads, 3 KV heads: one engine splits into 1 or 3 ranks only.
+    (["--set", "replica.engine.gpus=2"], "/replica/engine/gpus", "value must be one of 0, 1, 3"),
+    (["--set", "replica.engine.gpus=9"], "/replica/engine/gpus", "value must be one of 0, 1, 3"),
+    (["--set", "replica.nodes=2"], "/replica/nodes", "value must be one of 1, 3"),
+    (["--set", "replica.nodes=3", "--set", "replica.engine.gpus=3"], "/replica/engine/gpus", "value must be 1"),
+    # Whatever the model: a replica spanning nodes runs on GPUs.
+    (["--set", "model.source=pvc", "--set", "model.pvc.claimName=m", "--set", "replica.nodes=2",
+      "--set", "replica.engine.gpus=0"], "/replica/engine/gpus", "minimum: got 0, want 1"),
+    (["--set", "replica.nodes=0"], "/replica/nodes", "minimum: got 0, want 1"),
+    (["--set", "replica.multiNode.rendezvousPort=70000"], "/replica/multiNode/rendezvousPort", "maximum"),
+    (["--set", "replica.engine.tensorParallelTimeoutSeconds=0"], "/replica/engine/tensorParallelTimeoutSeconds",
+     "exclusiveMinimum"),
+])
+def test_a_split_the_model_cannot_take_is_refused(args, where, reason):
+    err = render_error(*args)
+    assert "values don't meet the specifications of the schema" in err, err
+    assert where in err and reason in err, f"expected {where!r} and {reason!r} in:\n{err}"
+
+
+def test_the_bundled_models_split_is_the_engines():
+    """The schema's sizes for the bundled model are the ones the engine itself accepts for it."""
+    from services.engine.tp_shard import valid_sizes
+    from services.model_source import resolve_tokenizer
+
+    # The bundled model's own config (extracted once from its GGUF file, no weights converted).
+    config = json.loads((resolve_tokenizer(None) / "config.json").read_text())
+    fits = valid_sizes(config["num_attention_heads"], config["num_key_value_heads"], config["intermediate_size"])
+    bundled = next(r for r in SCHEMA["allOf"] if r.get("if", {}).get("properties", {}).get("model"))
+    gpus = bundled["then"]["properties"]["replica"]["properties"]["engine"]["properties"]["gpus"]["enum"]
+    assert sorted(set(gpus) - {0}) == fits == [1, 3]
+
+
+def test_several_gpus_and_nodes_render_where_the_model_splits():
+    for args in (["--set", "replica.engine.gpus=3"], ["--set", "replica.nodes=3"],
+                 ["--set", "model.source=pvc", "--set", "model.pvc.claimName=m", "--set", "replica.engine.gpus=8",
+                  "--set", "replica.nodes=2"]):
+        render("default", *args)
+
+
+def test_several_gpus_need_a_dev_shm():
+    err = render_error("--set", "replica.engine.gpus=3", "--set", "replica.engine.shmSize=")
+    assert "replica.engine.shmSize is required when replica.engine.gpus > 1" in err
 
 
 def test_per_key_cache_isolation_needs_api_keys():

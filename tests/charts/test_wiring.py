@@ -25,7 +25,8 @@ def components_selected(rendered, selector: dict) -> set[str]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_workload_selectors_match_their_own_pods(variant):
     for workload in render(variant).workloads():
-        if workload["kind"] != "Pod":
+        # A Pod has no selector; the LeaderWorkerSet controller selects its pods by labels of its own.
+        if workload["kind"] not in ("Pod", "LeaderWorkerSet"):
             assert selector_matches(workload["spec"]["selector"], pod_labels(workload))
 
 
@@ -53,7 +54,8 @@ def test_pod_disruption_budgets_cover_router_and_replicas(variant):
         assert len(selected) == 1, selected
         covered |= selected
         assert pdb["spec"]["maxUnavailable"] == 1
-    assert covered == {"router", "replica"}
+    # A worker pod evicted takes its whole group down: replicas spanning nodes budget their workers too.
+    assert covered == {"router", "replica"} | ({"replica-worker"} if rendered.of_kind("LeaderWorkerSet") else set())
 
 
 def _allowed_components(rendered, rule: dict) -> set[str] | None:
@@ -83,15 +85,26 @@ def test_network_policies_let_in_only_whom_they_mean(variant):
         assert policy["spec"]["policyTypes"] in (["Ingress"], ["Egress"]), "one direction per policy"
         if policy["spec"]["policyTypes"] == ["Ingress"]:
             policies[selected.pop()] = policy["spec"]["ingress"]
+    multi_node = bool(rendered.of_kind("LeaderWorkerSet"))
     expected = {"router", "replica"} | ({"redis"} if rendered.of_kind("StatefulSet") else set())
-    assert set(policies) == expected
+    assert set(policies) == expected | ({"replica-worker"} if multi_node else set())
 
     # Schedulers: routers only (plus scrapes from other namespaces), on the scheduler port only.
-    (rule,) = policies["replica"]
+    rule, *ranks = policies["replica"]
     assert _allowed_components(rendered, rule) == {"router"}
     assert _ports_of(rendered, "replica", rule) == {8100}, "only the scheduler port may be reachable"
     engine_port = next(p["containerPort"] for p in rendered.container("engine")["ports"])
-    assert all(engine_port not in _ports_of(rendered, "replica", r) for r in policies["replica"])
+    assert all(engine_port not in _ports_of(rendered, "replica", r) for r in policies["replica"] if "ports" in r)
+    if multi_node:
+        # Rank 0 takes its group's connections (rendezvous, gloo, NCCL: ports they pick) from worker
+        # pods only; the worker pods take them from the release's ranks and from nothing else.
+        (ranks,) = ranks
+        assert "ports" not in ranks and _allowed_components(rendered, ranks) == {"replica-worker"}
+        (workers,) = policies["replica-worker"]
+        assert "ports" not in workers and _allowed_components(rendered, workers) == {"replica", "replica-worker"}
+        assert not [p for p in workers["from"] if "namespaceSelector" in p or "ipBlock" in p]
+    else:
+        assert not ranks
 
     # Redis: only this release's routers and schedulers.
     if "redis" in policies:
@@ -126,7 +139,9 @@ def test_no_network_policies_when_disabled():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_one_autoscaler_at_most_and_it_scales_the_replica_deployment(variant):
     rendered = render(variant)
-    replica = rendered.get("Deployment", f"{FULLNAME}-replica")
+    # Replicas spanning nodes are LeaderWorkerSet groups; its scale subresource counts groups.
+    (replica,) = [o for o in rendered.of_kind("Deployment") + rendered.of_kind("LeaderWorkerSet")
+                  if o["metadata"]["name"] == f"{FULLNAME}-replica"]
     router = rendered.get("Deployment", f"{FULLNAME}-router")
     router_hpas = [h for h in rendered.of_kind("HorizontalPodAutoscaler")
                    if h["spec"]["scaleTargetRef"]["name"] == router["metadata"]["name"]]
@@ -136,7 +151,7 @@ def test_one_autoscaler_at_most_and_it_scales_the_replica_deployment(variant):
     assert len(hpas) + len(scaled) <= 1, "the HPA and KEDA must never both scale the replicas"
     for autoscaler in hpas + scaled:
         target = autoscaler["spec"]["scaleTargetRef"]
-        assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment",
+        assert (target["apiVersion"], target["kind"], target["name"]) == (replica["apiVersion"], replica["kind"],
                                                                            replica["metadata"]["name"])
     # An autoscaler owns the count: a `replicas` in the Deployment would reset it on every upgrade.
     assert ("replicas" in replica["spec"]) == (not (hpas or scaled))

@@ -446,6 +446,10 @@ Checks across values that the JSON schema cannot express; each fails with the va
 {{- if and (eq .Values.router.cacheIsolation "per-key") (not .Values.router.apiKeys.enabled) }}
 {{- fail "router.cacheIsolation=per-key isolates API keys from each other: it needs router.apiKeys.enabled=true" }}
 {{- end }}
+{{- $r := .Values.replica }}
+{{- if and (gt (int $r.engine.gpus) 1) (not $r.engine.shmSize) }}
+{{- fail "replica.engine.shmSize is required when replica.engine.gpus > 1: the ranks of a pod pass data to each other through /dev/shm" }}
+{{- end }}
 {{- $ra := .Values.router.autoscaling }}
 {{- if and $ra.enabled (gt (int $ra.minReplicas) (int $ra.maxReplicas)) }}
 {{- fail (printf "router.autoscaling.minReplicas (%v) must not exceed router.autoscaling.maxReplicas (%v)" $ra.minReplicas $ra.maxReplicas) }}
