@@ -326,6 +326,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+// Defined in bf16_gemm.cpp.
+torch::Tensor bf16_gemm_pack(torch::Tensor w);
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
+bool bf16_gemm_supported();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
@@ -338,4 +342,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "new keys and values into their cache slots (-1 skipped)");
   m.def("argmax_rows_exact", &argmax_rows_exact, "greedy argmax with near-ties rescored in float32");
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
+  m.def("bf16_gemm_pack", &bf16_gemm_pack, "a bfloat16 [N, K] weight in bf16_gemm's panel layout");
+  m.def("bf16_gemm", &bf16_gemm, "x @ w.T (+ bias) over a packed bfloat16 weight (AVX512-BF16)");
+  m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether this build has the AVX512-BF16 GEMM");
 }

@@ -1,13 +1,18 @@
-"""Linear layers for the engine: plain `F.linear`, or oneDNN with weights packed once at load time.
+"""Linear layers for the engine: plain `F.linear`, or a GEMM over weights packed once at load time.
 
 On the CPU in bfloat16, `F.linear` reorders each weight into oneDNN's blocked layout on every call,
 which for decode-sized batches costs as much as the product itself. Packing once at load time (what
-vLLM's CPU backend does too) removes that. float32 keeps `F.linear`, whose results match Hugging Face.
+vLLM's CPU backend does too) removes that. On CPUs with AMX, oneDNN's AMX GEMM over the packed weight
+is the fastest there is; on AVX512-BF16 CPUs without it (most AMD EPYCs, older Xeons), oneDNN reaches
+about a third of the dot-product peak at decode sizes, and pagedserve's own register-blocked kernel
+(`kernels/cpu/bf16_gemm.cpp`) runs instead. `PAGEDSERVE_CPU_GEMM=onednn|avx512` forces one.
+float32 keeps `F.linear`, whose results match Hugging Face.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,39 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+class Bf16GemmLinear:
+    __slots__ = ("mod", "packed", "bias", "out_features")
+
+    def __init__(self, mod, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.mod = mod
+        self.packed = mod.bf16_gemm_pack(weight.contiguous())
+        self.out_features = weight.shape[0]
+        self.bias = None
+        if bias is not None:  # float32, padded to the packed panels, added before the one rounding
+            self.bias = torch.zeros(self.packed.shape[0] * self.packed.shape[2], dtype=torch.float32)
+            self.bias[:self.out_features] = bias.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mod.bf16_gemm(x, self.packed, self.out_features, self.bias)
+
+
+def cpu_gemm_choice() -> str:
+    """Which bfloat16 CPU GEMM the engine uses here: "avx512" (pagedserve's kernel) or "onednn"."""
+    forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
+    if forced not in ("auto", "onednn", "avx512"):
+        raise ValueError(f"PAGEDSERVE_CPU_GEMM={forced!r}: expected auto, onednn or avx512")
+    from kernels.cpu import load
+
+    mod = load()
+    ours = mod is not None and mod.bf16_gemm_supported()
+    if forced == "onednn" or not ours:
+        return "onednn"
+    if forced == "avx512":
+        return "avx512"
+    amx = mod.amx_available() and os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0"
+    return "onednn" if amx else "avx512"
+
+
 def _packing_works(dtype: torch.dtype) -> bool:
     try:
         w = torch.randn(32, 16, dtype=dtype)
@@ -52,6 +90,12 @@ def _packing_works(dtype: torch.dtype) -> bool:
 
 def make_linear_factory(device: torch.device, dtype: torch.dtype, batch_hint: int = 64):
     """Returns `build(weight, bias) -> callable` suited to this device and dtype."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemm_choice() == "avx512":
+        from kernels.cpu import load
+
+        mod = load()
+        log.info("bfloat16 linears: pagedserve's AVX512-BF16 GEMM (no AMX in use)")
+        return lambda w, b=None: Bf16GemmLinear(mod, w, b)
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available() \
             and _packing_works(dtype):
         return lambda w, b=None: PackedLinear(w, b, batch_hint)

@@ -1,0 +1,134 @@
+// bfloat16 linear layers on AVX512-BF16 without AMX: y = x @ w.T (+ bias), float32 accumulation.
+// oneDNN's AVX512-BF16 GEMM reaches about a third of the chip's dot-product peak at decode batch sizes
+// (M <= a few hundred rows) on CPUs without AMX; this register-blocked kernel over weights packed once
+// at load time keeps the dot-product unit busy instead. On AMX machines oneDNN's AMX GEMM stays faster
+// and the engine keeps it (services/engine/linear.py chooses).
+//
+// Packed weight layout: [panels][K/2][64][2]: a panel is 64 output columns; for each pair of k its 64
+// columns hold (w[n][k], w[n][k+1]) side by side, the operand layout of vdpbf16ps. N and K are padded
+// with zeros to whole panels and pairs, so the kernel never branches on them inside the k loop.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+constexpr int64_t kPanel = 64;  // output columns per panel: 4 zmm of 16 float32 accumulators
+constexpr int kNr = 4;
+constexpr int kMr = 6;  // rows per micro-tile: 6 x 4 = 24 accumulators, 4 weight and 6 broadcast loads
+}
+
+torch::Tensor bf16_gemm_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_gemm_pack: a 2-D bfloat16 weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t panels = (n + kPanel - 1) / kPanel, pairs = (k + 1) / 2;
+  auto padded = torch::zeros({panels * kPanel, pairs * 2}, w.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
+  return padded.view({panels, kPanel, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+template <int MR>
+inline void micro_tile(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t pairs, const float* bias,
+                       c10::BFloat16* c, int64_t ldc, int64_t cols) {
+  __m512 acc[MR][kNr];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < kNr; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = panel + p * kPanel * 2;
+    __m512bh wv[kNr];
+    for (int j = 0; j < kNr; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, a + m * lda + 2 * p, sizeof(pair));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < kNr; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], av, wv[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    c10::BFloat16* row = c + m * ldc;
+    for (int j = 0; j < kNr; ++j) {
+      const int64_t left = cols - 16 * j;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      _mm256_mask_storeu_epi16(row + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(acc[m][j]));
+    }
+  }
+}
+
+void tile(int rows, const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t pairs, const float* bias,
+          c10::BFloat16* c, int64_t ldc, int64_t cols) {
+  switch (rows) {
+    case 6: micro_tile<6>(a, lda, panel, pairs, bias, c, ldc, cols); break;
+    case 5: micro_tile<5>(a, lda, panel, pairs, bias, c, ldc, cols); break;
+    case 4: micro_tile<4>(a, lda, panel, pairs, bias, c, ldc, cols); break;
+    case 3: micro_tile<3>(a, lda, panel, pairs, bias, c, ldc, cols); break;
+    case 2: micro_tile<2>(a, lda, panel, pairs, bias, c, ldc, cols); break;
+    default: micro_tile<1>(a, lda, panel, pairs, bias, c, ldc, cols); break;
+  }
+}
+}  // namespace
+
+bool bf16_gemm_supported() { return true; }
+
+torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features,
+                        c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_gemm: a 2-D bfloat16 input");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 >= x.size(1) && packed.size(1) * 2 <= x.size(1) + 1,
+              "bf16_gemm: packed weight does not match the input's K");
+  TORCH_CHECK(out_features <= packed.size(0) * kPanel, "bf16_gemm: out_features past the packed panels");
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), panels = packed.size(0);
+  if (x.stride(1) != 1 || (k % 2)) {
+    // The last pair of an odd K would read past the row: a copy with a zero after it; strided rows: one copy.
+    auto padded = torch::zeros({m, pairs * 2}, x.options());
+    padded.narrow(1, 0, k).copy_(x);
+    x = padded;
+  }
+  auto y = torch::empty({m, out_features}, x.options());
+  if (m == 0) return y;
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() >= panels * kPanel,
+                "bf16_gemm: the bias is float32, padded to whole panels");
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  c10::BFloat16* out = y.data_ptr<c10::BFloat16>();
+  const int64_t lda = x.stride(0), ldc = out_features, panel_elems = pairs * kPanel * 2;
+  const int64_t used_panels = (out_features + kPanel - 1) / kPanel;
+  // Rows in blocks that keep a block of A in L1/L2 while the panels stream past; tasks are
+  // (row block, panel) with the panel fastest, so each thread walks a contiguous run of panels.
+  // Row blocks of at most kRowCap rows (a block of A stays in L2 while the panels stream past), even in
+  // size, and enough (block, panel) tasks for every thread to get an even share (o_proj has only 9
+  // panels at SmolLM2's width).
+  constexpr int64_t kRowCap = 64;
+  const int64_t want_tasks = 8 * static_cast<int64_t>(at::get_num_threads());
+  int64_t blocks = (m + kRowCap - 1) / kRowCap;
+  while (blocks * used_panels < want_tasks && (blocks + 1) * 2 * kMr <= m) ++blocks;
+  const int64_t row_block = ((m + blocks - 1) / blocks + kMr - 1) / kMr * kMr;
+  const int64_t row_blocks = (m + row_block - 1) / row_block;
+  at::parallel_for(0, row_blocks * used_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t rb = t / used_panels, pn = t % used_panels;
+      const int64_t r0 = rb * row_block, r1 = std::min(m, r0 + row_block);
+      const int64_t cols = std::min(kPanel, out_features - pn * kPanel);
+      const float* pb = b ? b + pn * kPanel : nullptr;
+      for (int64_t r = r0; r < r1; r += kMr) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMr, r1 - r));
+        tile(rows, a + r * lda, lda, w + pn * panel_elems, pairs, pb, out + r * ldc + pn * kPanel, ldc, cols);
+      }
+    }
+  });
+  return y;
+}
+
+#else  // built for a CPU without AVX512-BF16: the engine keeps oneDNN
+bool bf16_gemm_supported() { return false; }
+
+torch::Tensor bf16_gemm(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "bf16_gemm: this build has no AVX512-BF16");
+}
+#endif
