@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
@@ -163,8 +163,11 @@ def run(args) -> int:
     spec = WorkloadSpec(args.workload, args.num_requests, Lengths.parse(args.input_len),
                         Lengths.parse(args.output_len), args.prefix_len, args.groups, args.turns, args.seed)
     vocab = ModelTokenizer(resolve_tokenizer(args.model)).vocab_size
-    requests = make_serve_workload(spec, vocab)
     rates = parse_rates(args.rates)
+    # Each rate gets its own prompts (same for every system): with one set, every rate after the first
+    # would hit the prefix cache the previous rate filled and report prefill-free TTFTs.
+    workloads = [make_serve_workload(replace(spec, seed=spec.seed + 1000 * i), vocab) for i in range(len(rates))]
+    requests = workloads[0]
     slo = SLO.parse(args.slo)
     log_dir = Path(args.log_dir or ".bench/logs")
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +201,7 @@ def run(args) -> int:
                                                     seed=args.seed + 99), vocab)
             asyncio.run(run_load(url, model, warm, math.inf, "poisson", 1.0, None, 0, True, progress=False))
             report["systems"][name] = []
-            for rate in rates:
+            for rate, requests in zip(rates, workloads, strict=True):
                 results, duration = asyncio.run(run_load(url, model, requests, rate, args.arrival, args.burstiness,
                                                          args.concurrency, args.seed, not args.no_ignore_eos))
                 summary = summarize(results, duration, slo)

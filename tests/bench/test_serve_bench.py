@@ -79,6 +79,8 @@ def test_bench_serve_against_an_endpoint(serve_url, tmp_path, workload, extra):
         assert r["completed"] == r["requests"] == expected and r["failed"] == 0
         assert r["output_throughput"] > 0 and r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p99"] is not None
     assert plot.stat().st_size > 10_000
+    if workload == "random":  # every rate gets its own prompts, so no rate is served from the last one's cache
+        assert runs[0]["total_prompt_tokens"] != runs[1]["total_prompt_tokens"]
 
 
 def test_bench_serve_starts_and_stops_the_servers_it_measures(tiny_llama_dir, tmp_path):
