@@ -41,6 +41,14 @@ def load():
     return _module
 
 
+def amx_in_use() -> bool:
+    """Whether this machine runs the AMX paths (the CPU has the tiles and PAGEDSERVE_CPU_AMX is not 0).
+    Where it does, oneDNN's and PyTorch's own AMX kernels are the ones to beat, so the AVX512-BF16
+    GEMM and prefill kernels, written for CPUs without AMX, stand aside."""
+    mod = load()
+    return mod is not None and mod.amx_available() and os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0"
+
+
 def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float):
     mod = load()
     if mod is None:

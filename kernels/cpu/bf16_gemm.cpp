@@ -1,7 +1,7 @@
 // bfloat16 linear layers on AVX512-BF16 without AMX: y = x @ w.T (+ bias), float32 accumulation.
-// oneDNN's AVX512-BF16 GEMM reaches about a third of the chip's dot-product peak at decode batch sizes
-// (M <= a few hundred rows) on CPUs without AMX; this register-blocked kernel over weights packed once
-// at load time keeps the dot-product unit busy instead. On AMX machines oneDNN's AMX GEMM stays faster
+// On CPUs without AMX, oneDNN's AVX512-BF16 GEMM runs a quarter to a half of the chip's dot-product
+// peak at 1-8 rows (the batches of low-load decoding); this register-blocked kernel over weights packed
+// once at load time keeps the dot-product unit busy there, and matches or beats oneDNN up to 2048 rows. On AMX machines oneDNN's AMX GEMM stays faster
 // and the engine keeps it (services/engine/linear.py chooses).
 //
 // Packed weight layout: [panels][K/2][64][2]: a panel is 64 output columns; for each pair of k its 64

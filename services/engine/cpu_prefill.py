@@ -1,8 +1,8 @@
 """Prefill attention on the CPU: fresh prompts over their own new keys, continuations over the cache.
 
 A prompt computed whole in one step attends only to its own new keys, no gather back out of the
-cache: in bfloat16 on AVX512-BF16 through `kernels/cpu/prefill_bf16.cpp` (both products as bf16 dot
-product tiles; 1.8x PyTorch's CPU flash attention at 512 tokens), otherwise causal SDPA.
+cache: in bfloat16 on AVX512-BF16 without AMX through `kernels/cpu/prefill_bf16.cpp` (both products as
+bf16 dot-product tiles; 1.8x PyTorch's CPU flash attention at 512 tokens), otherwise causal SDPA.
 Continuations (a chunk after earlier chunks, or after a prefix-cache hit) read their context from the
 paged cache. In bfloat16 they all go through the decode kernel in one call per layer: new token j of a
 chunk is a query whose context ends at its own position. On AMX, consecutive tokens of a chunk share
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import load
+from kernels.cpu import amx_in_use, load
 from kernels.reference import prefill_attention_ref
 
 
@@ -74,9 +74,12 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
 
 
 def _fresh_kernel(q: torch.Tensor):
-    # bfloat16 only, as for continuations; float32 keeps SDPA.
-    mod = load() if q.dtype == torch.bfloat16 else None
-    return mod.prefill_bf16 if mod is not None and mod.prefill_bf16_supported(q.shape[2]) else None
+    # bfloat16 only, as for continuations (float32 keeps SDPA); and not where AMX is in use, where
+    # PyTorch's flash attention runs its products on the tiles.
+    if q.dtype != torch.bfloat16 or amx_in_use():
+        return None
+    mod = load()
+    return mod.prefill_bf16 if mod.prefill_bf16_supported(q.shape[2]) else None
 
 
 def _decode_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
