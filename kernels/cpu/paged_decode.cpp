@@ -1,6 +1,8 @@
 // Paged decode attention for the CPU: one query token per sequence, reading K/V straight from the
 // block table (no gather into a padded copy), all query heads of one KV group per task so each key
 // and value row is loaded once. Softmax and accumulation in float32 whatever the storage dtype.
+// bfloat16 caches go to the AMX kernel (amx_decode.cpp) or the AVX512-BF16 one (decode_bf16.cpp)
+// where the CPU and the shape allow; this file is the path for every other case.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -23,30 +25,7 @@ static inline __m512 load16(const c10::BFloat16* p) {
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-constexpr int64_t kPrefetch = 32;  // rows ahead to prefetch in the value pass (two key groups ahead too)
-
-// In place: sc[t] = exp(sc[t] - max); returns 1 / sum.
-static inline float softmax_unnormalised(float* sc, int64_t L) {
-  __m512 vm = _mm512_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + t));
-  float m = _mm512_reduce_max_ps(vm);
-  for (; t < L; ++t) m = std::max(m, sc[t]);
-  const __m512 mv = _mm512_set1_ps(m);
-  __m512 vs = _mm512_setzero_ps();
-  for (t = 0; t + 16 <= L; t += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mv));
-    _mm512_storeu_ps(sc + t, e);
-    vs = _mm512_add_ps(vs, e);
-  }
-  if (t < L) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (L - t)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mv));
-    _mm512_mask_storeu_ps(sc + t, k, e);
-    vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(k, e));
-  }
-  return 1.f / _mm512_reduce_add_ps(vs);
-}
+constexpr int64_t kPrefetch = 16;  // rows ahead to prefetch (into L2: see decode_bf16.cpp)
 #endif
 
 #if defined(__AVX512F__)
@@ -66,7 +45,7 @@ static inline void softmax_values(const T* vc, const int32_t* table, int64_t L, 
       const char* ahead = reinterpret_cast<const char*>(
           vc + table[(t + kPrefetch) / BS] * c_s0 + ((t + kPrefetch) % BS) * c_s1 + h_off);
       for (int64_t off = 0; off < static_cast<int64_t>(C * 16 * sizeof(T)); off += 64)
-        _mm_prefetch(ahead + off, _MM_HINT_T0);
+        _mm_prefetch(ahead + off, _MM_HINT_T1);
     }
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
@@ -105,77 +84,10 @@ static void attend_group_regs(const float* qf, const T* kc, const T* vc, const i
   softmax_values<T, G, C>(vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);
 }
 
-#if defined(__AVX512BF16__)
-// 16 vectors -> one vector whose lane j is the sum of all lanes of v[j] (butterfly, 15 adds in all),
-// so a score costs a sixteenth of a full horizontal reduction.
-static inline __m512 reduce16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
-}
-
-// bfloat16 caches: scores with the AVX512-BF16 dot product straight on the stored keys (the query is
-// rounded to bfloat16 once), sixteen tokens at a time; values accumulate in float32 registers.
-template <int G, int C2>
-static void attend_group_bf16(const float* qf, const c10::BFloat16* kc, const c10::BFloat16* vc,
-                              const int32_t* table, int64_t L, int64_t BS, int64_t c_s0, int64_t c_s1,
-                              int64_t h_off, float* scores, float* acc) {
-  constexpr int D = C2 * 32;
-  __m512bh q[G][C2];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C2; ++c)
-      q[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + g * D + 32 * c + 16), _mm512_loadu_ps(qf + g * D + 32 * c));
-  const c10::BFloat16* rows[16];
-  __m512 part[16];
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
-    for (int j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      rows[j] = kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
-      if (t + 32 < L) {  // rows two groups ahead
-        const int64_t u = t + 32;
-        const char* ahead = reinterpret_cast<const char*>(kc + table[u / BS] * c_s0 + (u % BS) * c_s1 + h_off);
-        for (int64_t off = 0; off < D * 2; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      for (int j = 0; j < n; ++j) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < C2; ++c)
-          sum = _mm512_dpbf16_ps(sum, q[g][c], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
-        part[j] = sum;
-      }
-      for (int j = n; j < 16; ++j) part[j] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(scores + g * L + t0, static_cast<__mmask16>((1u << n) - 1), reduce16(part));
-    }
-  }
-  softmax_values<c10::BFloat16, G, D / 16>(vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);
-}
-#endif
-
 template <typename T>
 static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L,
                               int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off,
                               float* scores, float* acc) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same<T, c10::BFloat16>::value) {
-#define PAGEDSERVE_BF16_CASE(GG, CC)                                                                         \
-    if (G == GG && D == CC * 32) {                                                                          \
-      attend_group_bf16<GG, CC>(qf, kc, vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);                  \
-      return true;                                                                                          \
-    }
-    PAGEDSERVE_BF16_CASE(1, 2) PAGEDSERVE_BF16_CASE(2, 2) PAGEDSERVE_BF16_CASE(3, 2) PAGEDSERVE_BF16_CASE(4, 2)
-    PAGEDSERVE_BF16_CASE(1, 4) PAGEDSERVE_BF16_CASE(2, 4)
-#undef PAGEDSERVE_BF16_CASE
-  }
-#endif
 #define PAGEDSERVE_CASE(GG, CC)                                                                              \
   if (G == GG && D == CC * 16) {                                                                            \
     attend_group_regs<T, GG, CC>(qf, kc, vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);                 \
@@ -289,6 +201,12 @@ bool paged_decode_amx(const c10::BFloat16* q, const c10::BFloat16* kc, const c10
                       int64_t D, int64_t BS, int64_t MB, int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1,
                       int64_t c_s2, int64_t o_s0, int64_t o_s1, float scale);
 bool set_amx_enabled(bool enabled);
+// Defined in decode_bf16.cpp: the AVX512-BF16 path for bfloat16 caches, false when it cannot run here.
+bool paged_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                       const int32_t* bt, const int32_t* cl, c10::BFloat16* out, int64_t S, int64_t Hq, int64_t Hk,
+                       int64_t D, int64_t BS, int64_t MB, int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1,
+                       int64_t c_s2, int64_t o_s0, int64_t o_s1, float scale);
+bool decode_bf16_usable(int64_t G, int64_t D, int64_t Hk);
 bool amx_decode_usable(int64_t G, int64_t D, int64_t BS);
 bool amx_available();
 
@@ -301,13 +219,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty_like(q);
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), MB = block_tables.size(1);
-  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-      paged_decode_amx(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                       block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
-                       out.data_ptr<at::BFloat16>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
-                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-                       static_cast<float>(scale)))
-    return out;
+  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16) {
+    for (auto path : {&paged_decode_amx, &paged_decode_bf16})  // each says false when it cannot take this
+      if (path(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+               block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), S,
+               Hq, Hk, D, BS, MB, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               out.stride(0), out.stride(1), static_cast<float>(scale)))
+        return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
@@ -338,6 +257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("set_amx_enabled", &set_amx_enabled, "allow the AMX decode path (returns the previous setting)");
   m.def("amx_decode_usable", &amx_decode_usable, "whether the AMX path takes (group, head_dim, block_size) now");
+  m.def("decode_bf16_usable", &decode_bf16_usable, "whether the AVX512-BF16 decode path takes (group, head_dim, kv_heads)");
   m.def("amx_available", &amx_available, "whether this build and CPU can run the AMX decode path");
   m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
   m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
