@@ -46,13 +46,14 @@ void pack_values(const c10::BFloat16* v, int64_t s0, int64_t L, int64_t D, uint1
     }
 }
 
-// One task: query tokens [i0, i1) of the G heads sharing KV head g. Rows are (token, head) pairs.
+// One task: query tokens [i0, i1) of the G heads sharing KV head g. Rows are (token, head) pairs;
+// query token i sits at key position off + i and sees keys [0, off + i].
 template <int DZ>  // D / 16 registers per output row
-void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G, int64_t i0, int64_t i1,
+void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G, int64_t i0, int64_t i1, int64_t off,
           const uint32_t* kp, const uint16_t* vp, float scale, c10::BFloat16* out, int64_t o_s0, int64_t o_s1,
           std::vector<float>& scores, std::vector<uint16_t>& probs, std::vector<uint16_t>& zeros) {
   constexpr int64_t D = DZ * 16;
-  const int64_t L = i1;  // keys this block can see: all before its last token
+  const int64_t L = off + i1;  // keys this block can see: all before its last token
   const int64_t Lb = (L + 15) / 16 * 16, Lp = (L + 1) / 2 * 2;
   const int rows = static_cast<int>((i1 - i0) * G);
   scores.resize(size_t(rows) * Lb);
@@ -69,7 +70,7 @@ void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G,
       for (int64_t j = 0; j < D / 2; ++j) qpairs[m][j] = pair_bits(qr + 2 * j);
     }
     const int64_t last_tok = i0 + (r0 + nr - 1) / G;
-    const int64_t blocks = last_tok / 16 + 1;
+    const int64_t blocks = (off + last_tok) / 16 + 1;
     for (int64_t b = 0; b < blocks; ++b) {
       __m512 acc[8];
       for (int m = 0; m < 8; ++m) acc[m] = _mm512_setzero_ps();
@@ -85,7 +86,7 @@ void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G,
   }
   // Softmax per row over keys [0, tok]: unnormalised exp rounded to bfloat16, 1/sum kept in float32.
   for (int r = 0; r < rows; ++r) {
-    const int64_t tok = i0 + r / G, n = tok + 1;
+    const int64_t tok = i0 + r / G, n = off + tok + 1;
     float* s = &scores[size_t(r) * Lb];
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16) {
@@ -120,7 +121,7 @@ void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G,
     for (int m = 0; m < 6; ++m)
       for (int c = 0; c < DZ; ++c) acc[m][c] = _mm512_setzero_ps();
     const int64_t last_tok = i0 + (r0 + nr - 1) / G;
-    const int64_t pairs = (last_tok + 2) / 2;
+    const int64_t pairs = (off + last_tok + 2) / 2;
     const uint16_t* prow[6];
     for (int m = 0; m < 6; ++m) prow[m] = m < nr ? &probs[size_t(r0 + m) * Lp] : zeros.data();
     for (int64_t pp = 0; pp < pairs; ++pp) {
@@ -147,15 +148,17 @@ void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G,
 
 bool prefill_bf16_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-// q [n, Hq, D], k/v [n, Hk, D] (rows may be strided, dims contiguous), bfloat16: causal attention of
-// token i over keys 0..i. Returns [n, Hq, D].
-torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+// q [n, Hq, D], k/v [q_offset + n, Hk, D] (rows may be strided, dims contiguous), bfloat16: causal
+// attention of query i over keys 0..q_offset + i (q_offset > 0: a chunk continuing its context, whose
+// keys the caller gathered). Returns [n, Hq, D].
+torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_bf16: q, k, v are [tokens, heads, dim]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "prefill_bf16: bfloat16 inputs");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_bf16: head_dim contiguous");
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1);
-  TORCH_CHECK(k.size(0) == n && v.size(0) == n && k.sizes() == v.sizes() && k.size(2) == D,
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hk = k.size(1), nk = q_offset + n;
+  TORCH_CHECK(q_offset >= 0, "prefill_bf16: q_offset >= 0");
+  TORCH_CHECK(k.size(0) == nk && v.size(0) == nk && k.sizes() == v.sizes() && k.size(2) == D,
               "prefill_bf16: q, k, v disagree in shape");
   TORCH_CHECK(Hk > 0 && Hq % Hk == 0, "prefill_bf16: query heads are a multiple of KV heads");
   TORCH_CHECK(prefill_bf16_supported(D), "prefill_bf16: head_dim 64 or 128");
@@ -163,7 +166,7 @@ torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, do
   auto out = torch::empty({n, Hq, D}, q.options());
   if (n == 0) return out;
   const int G = static_cast<int>(Hq / Hk);
-  const int64_t Lb = (n + 15) / 16 * 16, Lp = (n + 1) / 2 * 2;
+  const int64_t Lb = (nk + 15) / 16 * 16, Lp = (nk + 1) / 2 * 2;
   std::vector<uint32_t> kp(size_t(Hk) * Lb * (D / 2));
   std::vector<uint16_t> vp(size_t(Hk) * Lp * D);
   const auto* qd = q.data_ptr<at::BFloat16>();
@@ -171,8 +174,8 @@ torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, do
   const auto* vd = v.data_ptr<at::BFloat16>();
   at::parallel_for(0, Hk, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
-      pack_keys(kd + g * k.stride(1), k.stride(0), n, D, kp.data() + g * Lb * (D / 2));
-      pack_values(vd + g * v.stride(1), v.stride(0), n, D, vp.data() + g * Lp * D);
+      pack_keys(kd + g * k.stride(1), k.stride(0), nk, D, kp.data() + g * Lb * (D / 2));
+      pack_values(vd + g * v.stride(1), v.stride(0), nk, D, vp.data() + g * Lp * D);
     }
   });
   const int64_t qblocks = (n + kQTokens - 1) / kQTokens;
@@ -187,10 +190,10 @@ torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, do
       const uint32_t* kpg = kp.data() + g * Lb * (D / 2);
       const uint16_t* vpg = vp.data() + g * Lp * D;
       if (D == 64)
-        task<4>(qd, q.stride(0), q.stride(1), g * G, G, i0, i1, kpg, vpg, float(scale), od, out.stride(0),
+        task<4>(qd, q.stride(0), q.stride(1), g * G, G, i0, i1, q_offset, kpg, vpg, float(scale), od, out.stride(0),
                 out.stride(1), scores, probs, zeros);
       else
-        task<8>(qd, q.stride(0), q.stride(1), g * G, G, i0, i1, kpg, vpg, float(scale), od, out.stride(0),
+        task<8>(qd, q.stride(0), q.stride(1), g * G, G, i0, i1, q_offset, kpg, vpg, float(scale), od, out.stride(0),
                 out.stride(1), scores, probs, zeros);
     }
   });
@@ -200,7 +203,7 @@ torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, do
 #else  // no AVX512-BF16 in this build: the engine keeps PyTorch's SDPA
 bool prefill_bf16_supported(int64_t) { return false; }
 
-torch::Tensor prefill_bf16(torch::Tensor, torch::Tensor, torch::Tensor, double) {
+torch::Tensor prefill_bf16(torch::Tensor, torch::Tensor, torch::Tensor, double, int64_t) {
   TORCH_CHECK(false, "prefill_bf16: this build has no AVX512-BF16");
 }
 #endif

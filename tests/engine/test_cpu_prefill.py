@@ -37,7 +37,9 @@ def test_mixed_fresh_and_continuing_prefills(block_size):
 
 @pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_bfloat16_continuations_through_the_decode_kernel(block_size, amx):
+def test_bfloat16_continuations_through_the_kernels(block_size, amx):
+    """Short chunks go through the decode kernel; long ones, where the fresh-prompt kernel runs (AVX512-BF16
+    without AMX), over their gathered context through it."""
     from kernels.cpu import load
 
     mod = load()
@@ -61,6 +63,10 @@ def test_bfloat16_continuations_through_the_decode_kernel(block_size, amx):
                                     step_cache)
     finally:
         mod.set_amx_enabled(previous)
-    assert "decodes" in step_cache  # the continuations went through the decode kernel
+    assert "decodes" in step_cache  # the short continuations went through the decode kernel
+    from services.engine.cpu_prefill import _fresh_kernel
+
+    gathered = {key[1] for key in step_cache if isinstance(key, tuple)}
+    assert gathered == ({2, 5} if _fresh_kernel(inp.q) is not None else set())  # the 64-token chunks
     assert not out.isnan().any()
     assert rel_err(out, dense_attention(inp)) <= 1e-2

@@ -64,6 +64,23 @@ def test_any_length_and_grouping(ext, n, kv_heads, group, seed):
     _check(ext, n, kv_heads * group, kv_heads, 64, seed)
 
 
+@pytest.mark.parametrize("offset,n", [(1, 1), (15, 1), (100, 16), (384, 64), (7, 33), (500, 17)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+def test_a_chunk_after_its_context(ext, offset, n, heads, kv_heads, dim):
+    # Query i of the chunk sits at key position offset + i: the rows of full causal attention over
+    # offset + n tokens that belong to the chunk.
+    g = torch.Generator().manual_seed(offset * 7 + n)
+    total = offset + n
+    q = torch.randn(total, heads, dim, generator=g).bfloat16()
+    k, v = (torch.randn(total, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+    scale = dim ** -0.5
+    out = ext.prefill_bf16(q[offset:], k, v, scale, offset)
+    want = _causal_float64(q, k, v, scale)[offset:]
+    assert (out.double() - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())
+    with pytest.raises(RuntimeError, match="disagree"):
+        ext.prefill_bf16(q[offset:], k, v, scale, offset + 1)
+
+
 def test_refuses_what_it_cannot_compute(ext):
     x = torch.randn(4, 2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
