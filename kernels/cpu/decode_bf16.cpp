@@ -100,24 +100,28 @@ void attend_task(const uint16_t* qb, const Cache& c, const int32_t* table, int64
     resolve_rows(c.k, c, table, t0, n, h0, rows);
     for (int64_t w0 = 0; w0 < n; w0 += kWindow) {
       const int64_t m = std::min(kWindow, n - w0);
-      for (int64_t h = 0; h < H; ++h)
-        for (int g = 0; g < G; ++g) {
-          __m512bh q[C2];
-          for (int i = 0; i < C2; ++i) q[i] = (__m512bh)_mm512_loadu_si512(qb + (h * G + g) * D + 32 * i);
-          __m512* p = part + (h * G + g) * 16 + w0;
-          for (int64_t j = 0; j < m; ++j) {
-            const c10::BFloat16* kr = rows[w0 + j] + h * c.s2;
-            if (g == 0 && t0 + w0 + j + kAhead < L) {
-              const int64_t u = t0 + w0 + j + kAhead;
-              const char* ap =
-                  reinterpret_cast<const char*>(c.k + table[u / c.BS] * c.s0 + (u % c.BS) * c.s1 + (h0 + h) * c.s2);
-              for (int off = 0; off < D * 2; off += 64) _mm_prefetch(ap + off, _MM_HINT_T1);
-            }
+      for (int64_t h = 0; h < H; ++h) {
+        __m512bh q[G][C2];
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < C2; ++i) q[g][i] = (__m512bh)_mm512_loadu_si512(qb + (h * G + g) * D + 32 * i);
+        __m512* p = part + h * G * 16 + w0;
+        for (int64_t j = 0; j < m; ++j) {
+          const c10::BFloat16* kr = rows[w0 + j] + h * c.s2;
+          if (t0 + w0 + j + kAhead < L) {
+            const int64_t u = t0 + w0 + j + kAhead;
+            const char* ap =
+                reinterpret_cast<const char*>(c.k + table[u / c.BS] * c.s0 + (u % c.BS) * c.s1 + (h0 + h) * c.s2);
+            for (int off = 0; off < D * 2; off += 64) _mm_prefetch(ap + off, _MM_HINT_T1);
+          }
+          __m512bh k[C2];  // loaded once for the group's G queries
+          for (int i = 0; i < C2; ++i) k[i] = (__m512bh)_mm512_loadu_si512(kr + 32 * i);
+          for (int g = 0; g < G; ++g) {
             __m512 sum = _mm512_setzero_ps();
-            for (int i = 0; i < C2; ++i) sum = _mm512_dpbf16_ps(sum, q[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
-            p[j] = sum;
+            for (int i = 0; i < C2; ++i) sum = _mm512_dpbf16_ps(sum, q[g][i], k[i]);
+            p[g * 16 + j] = sum;
           }
         }
+      }
     }
     for (int64_t r = 0; r < H * G; ++r) {
       __m512* p = part + r * 16;
