@@ -24,7 +24,7 @@ from kernels.reference import prefill_attention_ref
 
 # A continuation of at least this many new tokens is attended over its gathered context by the
 # prefill kernel rather than token by token by the decode kernel. Measured on an AMD EPYC (2 threads):
-# 1.35-1.4x for 64-512 new tokens over 448-2048 of context, 0.66x for 32 over 300.
+# 1.1-1.2x for 64-512 new tokens over 448-2048 of context, 0.8x for 32 over 300.
 GATHER_MIN_TOKENS = 64
 
 
