@@ -16,6 +16,8 @@ was measured slower here).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -75,33 +77,37 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                                                    block_tables.new_tensor([0, end - start]),
                                                    block_tables.new_tensor([ctx]), scale)
         return out
-    block_size, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     for i in continuing:
         start, end, ctx = spans[i]
-        entry = step_cache.get(i)
-        if entry is None:
-            num_blocks = -(-ctx // block_size)
+        keys, values = _gathered_context(k_cache, v_cache, block_tables, i, ctx, step_cache)
+        entry = step_cache[i]
+        if entry.mask is None:
             q_len = end - start
             # New token j sits at position ctx - q_len + j and sees positions <= that.
-            mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
-            entry = step_cache[i] = (block_tables[i, :num_blocks].long(), mask)
-        blocks, mask = entry
-        keys = k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].transpose(0, 1)
-        values = v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys[None], values[None],
-                                           attn_mask=mask, scale=scale, enable_gqa=gqa)[0]
+            entry.mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                           values.transpose(0, 1)[None], attn_mask=entry.mask, scale=scale,
+                                           enable_gqa=gqa)[0]
         out[start:end] = o.transpose(0, 1)
     return out
 
 
+@dataclass
+class _ContextEntry:
+    """What every layer of a step reuses for one continuing sequence."""
+
+    blocks: torch.Tensor                # its context's cache blocks
+    mask: torch.Tensor | None = None    # the chunk's causal mask, for the masked-SDPA route
+
+
 def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cache: dict | None):
     """Sequence i's first ctx cached keys and values, [ctx, kv_heads, dim] each (its new ones included)."""
-    key = ("blocks", i)
-    blocks = step_cache.get(key) if step_cache is not None else None
-    if blocks is None:
-        blocks = block_tables[i, :-(-ctx // k_cache.shape[1])].long()
+    entry = step_cache.get(i) if step_cache is not None else None
+    if entry is None:
+        entry = _ContextEntry(block_tables[i, :-(-ctx // k_cache.shape[1])].long())
         if step_cache is not None:
-            step_cache[key] = blocks
+            step_cache[i] = entry
+    blocks = entry.blocks
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     return (k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx],
             v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx])
@@ -110,9 +116,9 @@ def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cac
 def _fresh_kernel(q: torch.Tensor):
     # bfloat16 only, as for continuations (float32 keeps SDPA); and not where AMX is in use, where
     # PyTorch's flash attention runs its products on the tiles.
-    if q.dtype != torch.bfloat16 or amx_in_use():
-        return None
     mod = load()
+    if mod is None or q.dtype != torch.bfloat16 or amx_in_use():
+        return None
     return mod.prefill_bf16 if mod.prefill_bf16_supported(q.shape[2]) else None
 
 
