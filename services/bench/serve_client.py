@@ -1,8 +1,10 @@
 """One benchmark request against any OpenAI-compatible server, timed from the client's side.
 
-Streams every request (the way interactive users are served) and records the time of each content
-event: TTFT is the time to the first one, ITL the gaps between them, TPOT (end-to-end minus TTFT) over
-the output tokens after the first, which come from the server's own usage count. Multi-turn sessions
+Streams every request (the way interactive users are served) and records the time of each chunk that
+carries a choice, as `vllm bench serve` does: a token may have no text yet (half a UTF-8 character, a
+special token) and is still a token, so TTFT times the first token, not the first visible character.
+ITL is the gaps between chunks, TPOT (end-to-end minus TTFT) is over the output tokens after the first,
+which come from the server's own usage count. Multi-turn sessions
 run their turns in order, each sending the conversation so far, the server's earlier answers included.
 """
 
@@ -71,15 +73,16 @@ async def stream_one(client: httpx.AsyncClient, base_url: str, body: dict, path:
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     res.output_tokens = chunk["usage"].get("completion_tokens", 0)
-                text = _delta_text(chunk)
-                if text:
+                if chunk.get("choices"):
+                    # Every chunk with a choice marks tokens, even one with no text yet (a partial
+                    # character, a special token): counted as vLLM's benchmark counts them.
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - begin
                     else:
                         res.itl.append(now - last)
                     last = now
-                    res.text += text
+                    res.text += _delta_text(chunk)
     except (httpx.HTTPError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:

@@ -49,7 +49,11 @@ class ResponseAccumulator:
             newly_finished = o.finish_reason is not None and c.reason is None
             c.reason = o.finish_reason if o.finish_reason is not None else c.reason
             delta = c.text[c.sent_text:] if len(c.text) > c.sent_text else ""
-            if not delta and not newly_finished and (c.started or self.kind != "chat"):
+            # A choice's first chunk goes out with its first token even while that token has no text yet
+            # (a partial UTF-8 character, a special token): the client learns at once that generation
+            # began, as vLLM streams it. Chat's first chunk carries the assistant role.
+            opens = not c.started and (self.kind == "chat" or bool(c.token_ids))
+            if not delta and not newly_finished and not opens:
                 continue
             deltas.append(self._stream_choice(prompt_idx * self.n + o.index, c, delta))
         return deltas

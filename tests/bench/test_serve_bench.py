@@ -47,6 +47,40 @@ def test_percentiles_tpot_and_goodput():
     assert s["output_throughput"] == 11 and s["ttft_s"]["p50"] == pytest.approx(0.5)
 
 
+def test_a_chunk_without_text_still_marks_the_first_token():
+    """As vLLM's benchmark counts it: a server that streams a token before it has text (half a UTF-8
+    character, a special token) has produced its first token then, not at the first visible text."""
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from services.bench.serve_client import stream_one
+
+    chunks = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "\u05e6"}]},
+              {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}]
+
+    async def completions(request):
+        async def body():
+            for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app)) as client:
+            return await stream_one(client, "http://test", {"prompt": [1, 2, 3]}, "/v1/completions", 0.0, 0)
+
+    res = asyncio.run(go())
+    assert res.ok and res.text == "\u05e6!" and res.output_tokens == 4 and res.prompt_tokens == 3
+    assert res.ttft is not None and len(res.itl) == 2  # the empty chunk opened it; two more chunks followed
+
+
 @pytest.fixture(scope="module")
 def serve_url(tiny_llama_dir):
     from tests.e2e.test_serve import start_serve
