@@ -143,6 +143,20 @@ class AsyncScheduler:
         except RuntimeError:
             pass  # that event loop is closed
 
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one wake-up per event loop: a call_soon_threadsafe per output would
+        write the loop's self-pipe and contend for the GIL once per stream, on the step loop's time."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:  # None: the client left; its abort is queued
+                batches.setdefault(target[0], []).append((target[1], out))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass  # that event loop is closed
+
     def _apply_ops(self) -> None:
         core = self.core
         while self._ops:
@@ -185,6 +199,10 @@ class AsyncScheduler:
                 log.exception("engine step failed; failing %d in-flight requests", len(core.groups))
                 outputs = core.fail_all(f"engine failure: {e}")
             self.steps += 1
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all(outputs)
             self._stats = core.stats()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
