@@ -114,27 +114,31 @@ void task(const c10::BFloat16* q, int64_t q_s0, int64_t q_s1, int64_t h0, int G,
     }
     inv[r] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  // Outputs: 6 rows x D dims per inner loop over key pairs.
-  for (int r0 = 0; r0 < rows; r0 += 6) {
-    const int nr = std::min(6, rows - r0);
-    __m512 acc[6][DZ];
-    for (int m = 0; m < 6; ++m)
+  // Outputs: OR rows x D dims per inner loop over key pairs, OR * DZ = 24 accumulators in registers.
+  constexpr int OR = 24 / DZ;
+  for (int r0 = 0; r0 < rows; r0 += OR) {
+    const int nr = std::min(OR, rows - r0);
+    __m512 acc[OR][DZ];
+    for (int m = 0; m < OR; ++m)
       for (int c = 0; c < DZ; ++c) acc[m][c] = _mm512_setzero_ps();
     const int64_t last_tok = i0 + (r0 + nr - 1) / G;
     const int64_t pairs = (off + last_tok + 2) / 2;
-    const uint16_t* prow[6];
-    for (int m = 0; m < 6; ++m) prow[m] = m < nr ? &probs[size_t(r0 + m) * Lp] : zeros.data();
+    const uint16_t* prow[OR];
+    for (int m = 0; m < OR; ++m) prow[m] = m < nr ? &probs[size_t(r0 + m) * Lp] : zeros.data();
     for (int64_t pp = 0; pp < pairs; ++pp) {
       __m512bh vv[DZ];
       for (int c = 0; c < DZ; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (pp * D + c * 16) * 2);
-      for (int m = 0; m < 6; ++m) {
+      for (int m = 0; m < OR; ++m) {
         int32_t pr;
         std::memcpy(&pr, prow[m] + 2 * pp, sizeof(pr));
         const __m512bh pv = (__m512bh)_mm512_set1_epi32(pr);
         for (int c = 0; c < DZ; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], pv, vv[c]);
       }
     }
-    for (int m = 0; m < nr; ++m) {
+    // A fixed trip count with a guard, not `m < nr`: indexing acc by a runtime bound makes the compiler
+    // keep acc in memory and store every accumulator on every key pair (2x slower).
+    for (int m = 0; m < OR; ++m) {
+      if (m >= nr) continue;
       const int64_t tok = i0 + (r0 + m) / G, head = h0 + (r0 + m) % G;
       c10::BFloat16* orow = out + tok * o_s0 + head * o_s1;
       const __m512 iv = _mm512_set1_ps(inv[r0 + m]);
