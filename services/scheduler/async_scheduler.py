@@ -133,24 +133,15 @@ class AsyncScheduler:
         self._thread.join(timeout)
 
     # -- loop thread --------------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return  # the client left; its abort is queued
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass  # that event loop is closed
-
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs in one wake-up per event loop: a call_soon_threadsafe per output would
-        write the loop's self-pipe and contend for the GIL once per stream, on the step loop's time."""
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """(request id, output or exception) pairs to their streams, in one wake-up per event loop: a
+        call_soon_threadsafe per output would write the loop's self-pipe and contend for the GIL once
+        per stream, on the step loop's time between two forward passes."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
+        for request_id, item in items:
+            target = self._streams.get(request_id)
             if target is not None:  # None: the client left; its abort is queued
-                batches.setdefault(target[0], []).append((target[1], out))
+                batches.setdefault(target[0], []).append((target[1], item))
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
@@ -168,10 +159,10 @@ class AsyncScheduler:
                 try:
                     core.add_request(rid, prompt, params, stream=True, validated=True)
                 except InvalidRequestError as e:
-                    self._deliver(rid, e)
+                    self._deliver([(rid, e)])
                 except Exception as e:  # never let one bad request stop the loop
                     log.exception("request %s could not be queued", rid)
-                    self._deliver(rid, e)
+                    self._deliver([(rid, e)])
             elif op[0] == "call":
                 _, fn, args, done, box = op
                 try:
@@ -182,7 +173,7 @@ class AsyncScheduler:
             else:
                 out = core.abort_request(op[1])
                 if out is not None:
-                    self._deliver(op[1], out)
+                    self._deliver([(op[1], out)])
 
     def _run(self) -> None:
         core = self.core
@@ -199,10 +190,10 @@ class AsyncScheduler:
                 log.exception("engine step failed; failing %d in-flight requests", len(core.groups))
                 outputs = core.fail_all(f"engine failure: {e}")
             self.steps += 1
-            self._deliver_all(outputs)
+            self._deliver([(out.request_id, out) for out in outputs])
             self._stats = core.stats()
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)
