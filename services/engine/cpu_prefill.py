@@ -116,8 +116,10 @@ def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cac
 def _fresh_kernel(q: torch.Tensor):
     # bfloat16 only, as for continuations (float32 keeps SDPA); and not where AMX is in use, where
     # PyTorch's flash attention runs its products on the tiles.
-    mod = load()
-    if mod is None or q.dtype != torch.bfloat16 or amx_in_use():
+    if q.dtype != torch.bfloat16 or amx_in_use():
+        return None
+    mod = load()  # None without a compiler or with PAGEDSERVE_CPU_KERNELS=0: SDPA then
+    if mod is None:
         return None
     return mod.prefill_bf16 if mod.prefill_bf16_supported(q.shape[2]) else None
 
