@@ -38,8 +38,9 @@ class LocalRedisCluster:
 
     @property
     def url(self) -> str:
-        """Any node's URL, marked as a cluster (the client learns the others from it)."""
-        return f"redis://:{self.password}@127.0.0.1:{self.ports[0]}/0?cluster=true"
+        """Every node, marked as a cluster (a client starting after a node died still gets in)."""
+        nodes = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return f"redis://:{self.password}@{nodes}/0?cluster=true"
 
     def start(self, timeout: float = 60.0) -> LocalRedisCluster:
         exe = find_redis_server()

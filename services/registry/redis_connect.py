@@ -1,7 +1,8 @@
 """How schedulers and routers reach the registry: one Redis (or Valkey) node, or a Redis/Valkey Cluster.
 
 Cluster mode is chosen by the URL (`?cluster=true`, for managed services whose endpoint is a
-configuration endpoint) or found by asking the node (`INFO cluster`). Every registry command touches one
+configuration endpoint; the host part may list several nodes, `h1:p1,h2:p2`, so losing one does not strand
+a client that starts later) or found by asking the node (`INFO cluster`). Every registry command touches one
 key (services.registry.keys), so the same code runs on both; the cluster client follows MOVED and
 failovers itself. Timeouts are short: a dead shard must cost a routing decision milliseconds, not seconds.
 """
@@ -12,7 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -23,13 +24,11 @@ _TRUE = {"1", "true", "yes", "on"}
 def redacted(redis_url: str) -> str:
     """The URL with any password replaced, for logs (the password comes from a Kubernetes Secret)."""
     parts = urlsplit(redis_url)
-    if parts.password is None:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return redis_url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def split_cluster_hint(redis_url: str) -> tuple[str, bool | None]:
@@ -39,6 +38,16 @@ def split_cluster_hint(redis_url: str) -> tuple[str, bool | None]:
     hint = [v for k, v in query if k == "cluster"]
     rest = urlencode([(k, v) for k, v in query if k != "cluster"])
     return urlunsplit(parts._replace(query=rest)), (hint[-1].lower() in _TRUE) if hint else None
+
+
+def startup_nodes(redis_url: str) -> list[tuple[str, int]]:
+    """The (host, port) pairs of a URL whose host part may list several nodes, comma-separated."""
+    hosts = urlsplit(redis_url).netloc.rpartition("@")[2]
+    out = []
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":") if ":" in item else (item, "", "6379")
+        out.append((host, int(port or 6379)))
+    return out
 
 
 def is_cluster(redis_url: str) -> bool:
@@ -63,9 +72,14 @@ def connect(redis_url: str, max_connections: int = 128, timeout: float = TIMEOUT
     """
     url, hint = split_cluster_hint(redis_url)
     if hint if hint is not None else is_cluster(url):
-        return RedisCluster.from_url(url, max_connections=max_connections, socket_timeout=timeout,
-                                     socket_connect_timeout=timeout, require_full_coverage=False,
-                                     retry=Retry(NoBackoff(), 1), reinitialize_steps=1)
+        options = dict(max_connections=max_connections, socket_timeout=timeout, socket_connect_timeout=timeout,
+                       require_full_coverage=False, retry=Retry(NoBackoff(), 1), reinitialize_steps=1)
+        nodes = startup_nodes(url)
+        if len(nodes) > 1:  # redis://:pw@h1:p1,h2:p2/0: any of them can introduce the client to the rest
+            parts = urlsplit(url)
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], username=parts.username,
+                                password=parts.password, ssl=parts.scheme == "rediss", **options)
+        return RedisCluster.from_url(url, **options)
     pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout,
                                            socket_timeout=timeout, socket_connect_timeout=timeout,
                                            health_check_interval=5)

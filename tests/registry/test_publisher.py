@@ -1,4 +1,5 @@
-"""Registry + prefix index against a real redis-server, and the in-memory twin used by `serve`."""
+"""Registry + prefix index against a real redis-server, a real local Redis Cluster, and the in-memory twin
+used by `serve`."""
 
 from __future__ import annotations
 
@@ -51,11 +52,11 @@ def _backends(redis_url: str | None):
     return RedisSink(client), RedisIndex(client, record_refresh=0)  # the registry's latest word, at once
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "cluster", "memory"])
 def backend(request):
     if request.param == "memory":
         return _backends(None)
-    return _backends(request.getfixturevalue("redis_server").url)
+    return _backends(request.getfixturevalue("redis_cluster" if request.param == "cluster" else "redis_server").url)
 
 
 def test_snapshot_counts_leading_cached_blocks_per_replica(backend):
