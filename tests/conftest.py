@@ -105,7 +105,8 @@ def redis_cluster(redis_cluster_session):
     """The session's cluster, emptied for this test."""
     from redis.cluster import RedisCluster
 
-    client = RedisCluster(host="127.0.0.1", port=redis_cluster_session.ports[0], password=redis_cluster_session.password)
+    cluster = redis_cluster_session
+    client = RedisCluster(host="127.0.0.1", port=cluster.ports[0], password=cluster.password)
     client.flushall(target_nodes=RedisCluster.PRIMARIES)
     client.close()
     return redis_cluster_session
