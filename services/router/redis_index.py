@@ -41,23 +41,25 @@ class RedisIndex:
         self.records = ReplicaRecords(client, namespace, signer, record_refresh)
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
-        states = await self.records.current()
+        await self.records.current()
+        # One consistent set of records for this decision: a background refresh may swap them meanwhile.
+        states, position, by_generation = self.records.states, self.records.position, self.records.by_generation
         hashes = block_hashes[:MAX_HASHES]
         if not hashes or not states:
             return list(states)
-        matched = await self.matches(hashes)
         out = list(states)
-        for rid, n in matched.items():
-            i = self.records.position[rid]
+        for i, n in (await self.matches(hashes, position, by_generation)).items():
             out[i] = ReplicaState(out[i].info, out[i].load, n)
         return out
 
-    async def matches(self, hashes: list[int]) -> dict[str, int]:
-        """Live replica id -> leading blocks of the prompt it holds (or was claimed for), for the holders of
-        up to LEVELS distinct prefix depths, deepest first; replicas not named hold less (or nothing)."""
+    async def matches(self, hashes: list[int], position: dict[str, int],
+                      by_generation: dict[int, str]) -> dict[int, int]:
+        """Position of a live replica in the records -> leading blocks of the prompt it holds (or was
+        claimed for), for the holders of up to LEVELS distinct prefix depths, deepest first; replicas not
+        named hold less (or nothing)."""
         now = int(time.time() * 1000)
         counts: dict[int, int] = {}
-        found: dict[str, int] = {}
+        found: dict[int, int] = {}
         hi, floor = len(hashes), 0
         for _ in range(LEVELS):
             depth = await self._deepest(hashes, hi, floor, counts, now)
@@ -66,9 +68,9 @@ class RedisIndex:
             members = await self.client.zrangebyscore(keys.block_key(self.ns, hashes[depth]), now, "+inf",
                                                       start=0, num=HOLDERS)
             for m in members:
-                rid = self.records.by_generation.get(int(m))
-                if rid is not None and rid not in found:
-                    found[rid] = depth + 1
+                rid = by_generation.get(int(m))
+                if rid is not None and position[rid] not in found:
+                    found[position[rid]] = depth + 1
             if counts[depth] > HOLDERS:
                 break
             hi, floor = depth, counts[depth]  # replicas holding a shorter prefix: the next level up

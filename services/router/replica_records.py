@@ -59,9 +59,10 @@ class ReplicaRecords:
                 states.append(state)
         if gone:  # expired records: their ids leave the registry set (whoever notices first)
             await self.client.srem(keys.replicas_key(self.ns), *gone)
-        self.states = states
-        self.position = {s.info.replica_id: i for i, s in enumerate(states)}
-        self.by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
+        # Swapped together, with no await in between: a decision reads one consistent set.
+        position = {s.info.replica_id: i for i, s in enumerate(states)}
+        by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
+        self.states, self.position, self.by_generation = states, position, by_generation
         self._parsed = {rid: v for rid, v in self._parsed.items() if rid in self.position}
         self.read_at = time.monotonic()
 
