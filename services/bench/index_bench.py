@@ -110,14 +110,18 @@ def oracle_blocks(prompts: list[list[int]]) -> int:
 
 
 async def redis_stats(client) -> tuple[float, int]:
-    """(total command usec, used_memory bytes) summed over every node (one or all cluster primaries)."""
-    stats = await client.info("commandstats")
-    mem = await client.info("memory")
-    if _is_cluster(client):  # {node: info}
-        usec = sum(v.get("usec", 0) for node in stats.values() for k, v in node.items() if k.startswith("cmdstat_"))
-        return usec, sum(int(node.get("used_memory", 0)) for node in mem.values())
-    usec = sum(v.get("usec", 0) for k, v in stats.items() if k.startswith("cmdstat_"))
-    return usec, int(mem["used_memory"])
+    """(command usec, used_memory bytes) summed over every node (one, or every cluster primary); the
+    INFO calls this benchmark makes are left out."""
+    if _is_cluster(client):
+        from redis.asyncio.cluster import RedisCluster
+
+        nodes = list((await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)).values())
+        mem = list((await client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
+    else:
+        nodes, mem = [await client.info("commandstats")], [await client.info("memory")]
+    usec = sum(v.get("usec", 0) for node in nodes for k, v in node.items()
+               if k.startswith("cmdstat_") and k != "cmdstat_info")
+    return usec, sum(int(m.get("used_memory", 0)) for m in mem)
 
 
 def _is_cluster(client) -> bool:
