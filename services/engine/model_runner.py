@@ -133,9 +133,12 @@ class ModelRunner:
                                   self.arena.numel() * self.arena.element_size(), start_bytes)]
         if group is not None:
             self.memory = self._check_group_geometry(hf_cfg)
-        # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
-        # a first build takes about a minute that must not land on the first request after "ready".
-        built = cpu_kernels.load() if self.device.type == "cpu" else None
+        # Build (or load) the C++ kernels now wherever they run (the CPU backend's attention in any dtype,
+        # the half-precision sampler): a first build takes about a minute that must not land on the first
+        # request after "ready". A float32 engine on another backend needs none (the GPU check's dry run
+        # runs without a compiler or ninja).
+        needs_cpu_kernels = self.device.type == "cpu" and (backend == "cpu" or self.dtype != torch.float32)
+        built = cpu_kernels.load() if needs_cpu_kernels else None
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
