@@ -22,6 +22,12 @@ from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.responses_protocol import (
+    ResponsesRequest,
+    parse_responses_request,
+    responses_error,
+    to_chat,
+)
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
@@ -75,6 +81,9 @@ class RouterService:
     async def chat(self, request: Request) -> Response:
         return await self._counted(self._route(request, ChatCompletionRequest, "/v1/chat/completions"))
 
+    async def responses(self, request: Request) -> Response:
+        return await self._counted(self._route(request, ResponsesRequest, "/v1/responses"))
+
     async def _counted(self, handling) -> Response:
         """Count what the router answers itself; forwarded answers are counted by the proxy."""
         try:
@@ -90,14 +99,21 @@ class RouterService:
         arrived = time.monotonic()
         key = self.keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, self.config.max_body_bytes)
-        req = parse_request(model_cls, body)
+        req = parse_responses_request(body) if model_cls is ResponsesRequest else parse_request(model_cls, body)
         if self.config.cache_isolation == "per-key" and key is not None:
             # The key's own salt, before any the client chose: one key can never match another's blocks.
             req.cache_salt = body["cache_salt"] = key_salt(key, req.cache_salt)
         # With no replica registered yet (scale from zero) the model's identity is unknown: hold here.
         identity, max_model_len = await self.admission.admit(lambda: self.view.identity(req.model),
                                                              self.config.request_timeout, arrived)
-        prepared = await prepare_async(req, self.tokenizer, max_model_len)
+        if isinstance(req, ResponsesRequest):  # validated and routed as the chat request it becomes
+            chat, where = to_chat(req)
+            try:
+                prepared = await prepare_async(chat, self.tokenizer, max_model_len)
+            except APIError as err:
+                raise responses_error(err, where) from None
+        else:
+            prepared = await prepare_async(req, self.tokenizer, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
