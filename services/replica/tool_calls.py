@@ -108,7 +108,7 @@ class ToolCallParser:
         for item in self._out:
             if isinstance(item, str):
                 content.append(item)
-            elif deltas and item.id is None and deltas[-1].index == item.index:
+            elif deltas and item.id is None and deltas[-1].id is None and deltas[-1].index == item.index:
                 deltas[-1].arguments += item.arguments
             else:
                 deltas.append(item)
