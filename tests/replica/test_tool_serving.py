@@ -35,12 +35,16 @@ class TextEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.answer = ANSWER
+        self.after_results: str | None = None  # the answer once the prompt carries tool results
         self.healthy = True
         self.prompts: list[list[int]] = []
 
     async def generate(self, rid, prompt, params):
         self.prompts.append(prompt)
-        ids = self.tokenizer.encode(self.answer)
+        answer = self.answer
+        if self.after_results and "<tool_response>" in self.tokenizer.decode(prompt, skip_special_tokens=False):
+            answer = self.after_results
+        ids = self.tokenizer.encode(answer)
         for step in range(1, len(ids) + 1):
             await asyncio.sleep(0)
             text = self.tokenizer.decode(ids[:step])
@@ -76,7 +80,7 @@ def api(smol_tokenizer):
 @pytest.fixture
 def client(api):
     engine, url = api
-    engine.answer = ANSWER
+    engine.answer, engine.after_results = ANSWER, None
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
 
@@ -208,3 +212,31 @@ def test_responses_mistakes_are_400s_naming_the_field(api, extra, param):
     r = httpx.post(url + "/v1/responses", json=body, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("api_kind", ["chat_completions", "responses"])
+def test_the_openai_agents_sdk_completes_a_tool_loop(api, client, api_kind):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    engine, url = api
+    engine.answer = render_call("get_weather", '{"city": "Paris"}')
+    engine.after_results = "It is sunny in Paris."
+    agents.set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "sunny"
+
+    async def run():
+        c = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        model = (agents.OpenAIChatCompletionsModel(MODEL, c) if api_kind == "chat_completions"
+                 else agents.OpenAIResponsesModel(MODEL, c))
+        agent = agents.Agent(name="forecaster", instructions="Use tools.", tools=[get_weather], model=model)
+        return await agents.Runner.run(agent, "Weather in Paris?", max_turns=4)
+
+    result = asyncio.run(run())
+    assert seen == ["Paris"] and result.final_output == "It is sunny in Paris."
