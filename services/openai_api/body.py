@@ -134,8 +134,6 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
     if req.tool_choice not in (None, "none", "auto") or req.function_call not in (None, "none", "auto"):
         raise _refuse("tool_choice" if req.tool_choice not in (None, "none", "auto") else "function_call",
                       "forcing a tool call")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _refuse("response_format", f"response_format {req.response_format.type!r} (structured output)")
     if req.modalities not in (None, ["text"]):
         raise _refuse("modalities", "output other than text")
     for name in ("audio", "prediction", "web_search_options", "reasoning_effort"):

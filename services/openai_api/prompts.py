@@ -12,6 +12,7 @@ from typing import Protocol
 
 from services.openai_api.errors import APIError
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.structured import structured_outputs_of
 from services.sampling_params import InvalidRequestError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -100,7 +101,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
+            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt,
+            structured_outputs=structured_outputs_of(req))
     except InvalidRequestError as exc:
         name = max_tokens_field if exc.field == "max_tokens" else exc.field
         if is_chat and exc.field == "logprobs":

@@ -29,6 +29,7 @@ from services.replica.metrics import RequestTimer, SchedulerMetrics
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.async_scheduler import Admission, QueueFullError
 from services.scheduler.request_output import RequestOutput
+from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,13 @@ def engine_error(acc: ResponseAccumulator) -> APIError:
 
 class OpenAIServing:
     def __init__(self, backend: ReplicaBackend, tokenizer, config: ServingConfig,
-                 metrics: SchedulerMetrics | None = None):
+                 metrics: SchedulerMetrics | None = None, grammars: GrammarCompiler | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
+        # The scheduler core's own compiler: compiling here, before admission, fills the cache it reads.
+        self.grammars = grammars
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "cmpl-")
@@ -98,6 +101,11 @@ class OpenAIServing:
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)
         prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
+        if self.grammars is not None and prepared.params.structured_outputs is not None:
+            try:
+                await self.grammars.compile_async(prepared.params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise APIError.from_invalid(exc) from None
         if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         try:

@@ -29,6 +29,8 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
+from services.sampling_params import InvalidRequestError
+from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class RouterService:
         self.admission = Admission(config.max_queue, self.metrics, config.cold_start_timeout)
         self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
+        # Constraints compile here too (on the compiler's threads, cached), so one that never can is a 400
+        # before it costs a replica anything; the replica compiles it again with the model's vocabulary.
+        self.grammars = GrammarCompiler(lambda: tokenizer.fast.to_str(), tokenizer.vocab_size)
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(self._route(request, CompletionRequest, "/v1/completions"))
@@ -98,6 +103,11 @@ class RouterService:
         identity, max_model_len = await self.admission.admit(lambda: self.view.identity(req.model),
                                                              self.config.request_timeout, arrived)
         prepared = await prepare_async(req, self.tokenizer, max_model_len)
+        if prepared.params.structured_outputs is not None:
+            try:
+                await self.grammars.compile_async(prepared.params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise APIError.from_invalid(exc) from None
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
@@ -136,3 +146,4 @@ class RouterService:
 
     async def close(self) -> None:
         await self.proxy.close()
+        self.grammars.close()
