@@ -139,8 +139,6 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise _refuse("functions", "the deprecated functions API (use tools)")
     if req.function_call not in (None, "none", "auto"):
         raise _refuse("function_call", "the deprecated function_call (use tool_choice)")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _refuse("response_format", f"response_format {req.response_format.type!r} (structured output)")
     if req.modalities not in (None, ["text"]):
         raise _refuse("modalities", "output other than text")
     for name in ("audio", "prediction", "web_search_options", "reasoning_effort"):

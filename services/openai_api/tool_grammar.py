@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import json
 
+from services.openai_api.protocol import ChatCompletionRequest
 from services.openai_api.tool_prompt import CALL_CLOSE, CALL_OPEN, ToolUse
+from services.sampling_params import InvalidRequestError
+from services.structured_output.compiler import grammar_text
+from services.structured_output.params import StructuredOutputsParams
 
 
 def _lark_string(text: str) -> str:
@@ -26,6 +30,21 @@ def _lark_string(text: str) -> str:
 def arguments_schema(parameters: dict) -> dict:
     """A function's parameters as the schema its arguments must match: always an object."""
     return parameters if parameters.get("type") == "object" else {**parameters, "type": "object"}
+
+
+def tool_constraint(req: ChatCompletionRequest, tools: ToolUse) -> StructuredOutputsParams:
+    """The constraint of a request's calls. Each offered function's parameters are checked as a JSON
+    schema first, so one that cannot be used is a 400 naming it (`tools.2.function.parameters`) rather
+    than the grammar as a whole; raises InvalidRequestError."""
+    for i, tool in enumerate(req.tools or ()):
+        f = tool.function
+        if f.name in tools.names:
+            grammar_text(StructuredOutputsParams(json=arguments_schema(f.parameters or {}),
+                                                 source=f"tools.{i}.function.parameters"))
+    try:
+        return StructuredOutputsParams(grammar=tool_grammar(tools), source="tools")
+    except InvalidRequestError as exc:
+        raise InvalidRequestError("tools", exc.message) from None
 
 
 def tool_grammar(tools: ToolUse) -> str:

@@ -33,8 +33,7 @@ class ResponsesEndpoint:
         chat, where = to_chat(req)
         try:
             prepared = await prepare_async(chat, serving.tokenizer, serving.config.max_model_len)
-        except APIError as err:
+            return await serving.serve_prepared(
+                request, prepared, "resp_", lambda acc: ResponseEvents(req, acc.request_id, acc.created, acc.usage))
+        except APIError as err:  # found before the response began: named as the Responses fields
             raise responses_error(err, where) from None
-        return await serving.serve_prepared(
-            request, prepared, "resp_",
-            lambda acc: ResponseEvents(req, acc.request_id, acc.created, acc.usage))

@@ -30,6 +30,7 @@ from services.replica.responses_endpoint import ResponsesEndpoint
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.async_scheduler import Admission, QueueFullError
 from services.scheduler.request_output import RequestOutput
+from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,14 @@ def engine_error(acc: ResponseAccumulator) -> APIError:
 
 class OpenAIServing:
     def __init__(self, backend: ReplicaBackend, tokenizer, config: ServingConfig,
-                 metrics: SchedulerMetrics | None = None):
+                 metrics: SchedulerMetrics | None = None, grammars: GrammarCompiler | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
         self._responses = ResponsesEndpoint(self)
+        # The scheduler core's own compiler: compiling here, before admission, fills the cache it reads.
+        self.grammars = grammars
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "cmpl-")
@@ -108,6 +111,11 @@ class OpenAIServing:
     async def serve_prepared(self, request: Request, prepared: PreparedRequest, id_prefix: str,
                              make_format: Callable[[ResponseAccumulator], ResponseFormat]) -> Response:
         """Run a validated request and answer it in the format `make_format` builds over its accumulator."""
+        if self.grammars is not None and prepared.params.structured_outputs is not None:
+            try:
+                await self.grammars.compile_async(prepared.params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise APIError.from_invalid(exc) from None
         if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         try:

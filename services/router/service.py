@@ -35,6 +35,8 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
+from services.sampling_params import InvalidRequestError
+from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ class RouterService:
         self.admission = Admission(config.max_queue, self.metrics, config.cold_start_timeout)
         self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
+        # Constraints compile here too (on the compiler's threads, cached), so one that never can is a 400
+        # before it costs a replica anything; the replica compiles it again with the model's vocabulary.
+        self.grammars = GrammarCompiler(lambda: tokenizer.fast.to_str(), tokenizer.vocab_size)
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(self._route(request, CompletionRequest, "/v1/completions"))
@@ -109,11 +114,11 @@ class RouterService:
         if isinstance(req, ResponsesRequest):  # validated and routed as the chat request it becomes
             chat, where = to_chat(req)
             try:
-                prepared = await prepare_async(chat, self.tokenizer, max_model_len)
+                prepared = await self._prepare(chat, max_model_len)
             except APIError as err:
                 raise responses_error(err, where) from None
         else:
-            prepared = await prepare_async(req, self.tokenizer, max_model_len)
+            prepared = await self._prepare(req, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
@@ -128,6 +133,16 @@ class RouterService:
         if chosen.matched_blocks < len(route.block_hashes):
             self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes))
         return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
+
+    async def _prepare(self, req, max_model_len: int):
+        """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""
+        prepared = await prepare_async(req, self.tokenizer, max_model_len)
+        if prepared.params.structured_outputs is not None:
+            try:
+                await self.grammars.compile_async(prepared.params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise APIError.from_invalid(exc) from None
+        return prepared
 
     async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:
         replicas = [r for r in await self.view.snapshot(route.block_hashes) if r.info.identity == identity]
@@ -152,3 +167,4 @@ class RouterService:
 
     async def close(self) -> None:
         await self.proxy.close()
+        self.grammars.close()
