@@ -136,6 +136,8 @@ def _add_bench(sub) -> None:
     s.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
     s.add_argument("--slo", default="ttft=500ms,tpot=100ms", help="goodput counts requests meeting it")
     s.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
+    s.add_argument("--structured", type=float, default=0.0,
+                   help="share of requests (0-1) constrained to a JSON schema (response_format json_schema)")
     s.add_argument("--warmup", type=int, default=8, help="requests sent to each server before measuring")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log-dir", default=None, help="where started servers' logs go (default .bench/logs)")

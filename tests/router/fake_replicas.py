@@ -47,6 +47,7 @@ def replica_app(name: str, seen: list, headers: list) -> FastAPI:
 
     app.post("/v1/completions")(answer)
     app.post("/v1/chat/completions")(answer)
+    app.post("/v1/responses")(answer)
     return app
 
 
