@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.structured_output.params import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -41,6 +45,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation: blocks of different salts never match
+    # Guided decoding: every sample's output is constrained to this JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     MAX_LOGPROBS = 20
@@ -101,3 +107,8 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > 256):
             raise InvalidRequestError("cache_salt", "must be a non-empty string of at most 256 characters")
+        if self.structured_outputs is not None:
+            from services.structured_output.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")

@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from services.engine.sampler import SampleRow
-from services.engine.step_validation import INDEX_LIMIT, MAX_NUM_SAMPLES, StepLimits, find_faults, sampling_ok
+from services.engine.step_validation import (
+    INDEX_LIMIT,
+    MAX_NUM_SAMPLES,
+    StepLimits,
+    bitmask_size,
+    find_faults,
+    sampling_ok,
+)
 from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
@@ -170,9 +177,10 @@ class StepInputBuilder:
                   and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
                   and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
             if s.sample is True:
-                banned = s.banned_token_ids
+                banned, mask = s.banned_token_ids, s.token_bitmask
                 ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
-                      and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab)
+                      and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab
+                      and (mask is None or (type(mask) is bytes and len(mask) == bitmask_size(vocab))))
                 if ok and banned:
                     self._ints(banned, INDEX_LIMIT)
             elif s.sample is not False:
@@ -236,7 +244,8 @@ class StepInputBuilder:
             if s.sample:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
-                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
+                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids,
+                                          s.token_bitmask))
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 
