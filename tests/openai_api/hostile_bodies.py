@@ -78,6 +78,8 @@ def bodies(draw, model: str = MODEL):
                                  st.sampled_from(HOSTILE_STRINGS), json_value))
         role = draw(st.one_of(st.just("user"), st.just("user"), st.sampled_from(["system", "tool", "wizard", 3])))
         messages = [{"role": role, "content": content}]
+        if draw(st.integers(0, 3)) == 0:
+            messages += draw(tool_history)
         body["messages"] = draw(st.one_of(st.just(messages), st.just(messages), st.just(messages),
                                           st.sampled_from([[], "hi", None])))
     else:
@@ -90,6 +92,8 @@ def bodies(draw, model: str = MODEL):
         body[name] = draw(st.one_of(st.sampled_from(BOUNDARY_INTS), json_leaf))
     for name in draw(st.lists(st.sampled_from(FLOAT_FIELDS), max_size=3)):
         body[name] = draw(st.one_of(st.sampled_from(BOUNDARY_FLOATS), json_leaf))
+    if chat and draw(st.integers(0, 2)) == 0:
+        body.update(draw(tool_fields))
     if draw(st.booleans()):
         body[draw(st.sampled_from(["stop", "stop_token_ids", "stream", "stream_options", "ignore_eos", "tools",
                                    "response_format", "logit_bias", "cache_salt", "unknown_field", "echo"]))] = \
@@ -99,6 +103,57 @@ def bodies(draw, model: str = MODEL):
         body[name] = draw(constraint_values[name])
         body.setdefault("max_tokens", 8)  # a valid constraint is served: keep the fuzzing campaign short
     return chat, body
+
+
+# Tools: valid ones among hostile ones (bad names, parameter schemas that are no object or no schema, a
+# tool_choice naming what is missing), and histories whose tool messages answer calls or do not.
+_PARAMS = st.one_of(st.just({"type": "object", "properties": {"x": {"type": "integer"}}}), st.just({}),
+                    st.sampled_from([{"type": "string"}, {"type": "object", "properties": 5}, {"$ref": "#/nope"},
+                                     {"type": "object", "required": ["x"], "properties": {"x": {"pattern": "(a+)+$"}}},
+                                     {"type": "object", "properties": {"x": {"minItems": 2**63}}}]), json_value)
+_NAMES = st.one_of(st.sampled_from(["f", "get_weather", "g-2"]), st.sampled_from(HOSTILE_STRINGS), json_leaf)
+tool_def = st.one_of(
+    st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}}, _NAMES, _PARAMS),
+    st.builds(lambda n: {"type": "function", "function": {"name": n}}, _NAMES), json_value)
+tool_fields = st.fixed_dictionaries({}, optional={
+    "tools": st.one_of(st.lists(tool_def, max_size=3), json_value),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "any"]), json_value,
+                             st.builds(lambda n: {"type": "function", "function": {"name": n}}, _NAMES)),
+    "parallel_tool_calls": st.one_of(st.booleans(), json_leaf)})
+_CALL = st.builds(lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
+                  st.sampled_from(["call_1", "call_2", ""]), _NAMES, st.one_of(st.just('{"x": 1}'), json_leaf))
+tool_history = st.lists(st.one_of(
+    st.builds(lambda calls: {"role": "assistant", "content": None, "tool_calls": calls}, st.lists(_CALL, max_size=2)),
+    st.builds(lambda i, c: {"role": "tool", "tool_call_id": i, "content": c},
+              st.one_of(st.sampled_from(["call_1", "call_2", "call_9"]), json_leaf), st.text(max_size=10))),
+    max_size=3)
+
+
+@st.composite
+def responses_bodies(draw, model: str = MODEL):
+    """Bodies for /v1/responses: a string or items (messages, function calls and their outputs) as input."""
+    item = st.one_of(
+        st.builds(lambda r, c: {"role": r, "content": c}, st.sampled_from(["user", "assistant", "system", "tool"]),
+                  st.one_of(st.text(max_size=20), json_value)),
+        st.builds(lambda i, n, a: {"type": "function_call", "call_id": i, "name": n, "arguments": a},
+                  st.sampled_from(["c1", "c2"]), _NAMES, st.one_of(st.just("{}"), json_leaf)),
+        st.builds(lambda i, o: {"type": "function_call_output", "call_id": i, "output": o},
+                  st.sampled_from(["c1", "c3"]), st.one_of(st.text(max_size=10), json_leaf)), json_value)
+    body: dict = {"model": draw(st.one_of(st.just(model), st.just(model), json_leaf)),
+                  "input": draw(st.one_of(st.text(min_size=1, max_size=30), st.lists(item, max_size=4), json_leaf))}
+    extra = draw(st.fixed_dictionaries({}, optional={
+        "instructions": st.one_of(st.text(max_size=20), json_leaf),
+        "max_output_tokens": st.one_of(st.sampled_from(BOUNDARY_INTS), json_leaf),
+        "temperature": st.one_of(st.sampled_from(BOUNDARY_FLOATS), json_leaf),
+        "top_p": st.sampled_from(BOUNDARY_FLOATS),
+        "tools": st.one_of(st.lists(st.builds(lambda n, p: {"type": "function", "name": n, "parameters": p},
+                                              _NAMES, _PARAMS), max_size=2), json_value),
+        "tool_choice": st.one_of(st.sampled_from(["auto", "required", "none"]), json_value),
+        "text": st.one_of(st.just({"format": {"type": "text"}}), json_value),
+        "stream": st.booleans(),
+        "previous_response_id": st.text(max_size=5), "store": json_leaf, "unknown_field": json_value}))
+    body.update(extra)
+    return "responses", body
 
 
 def serialise(body: dict) -> bytes:

@@ -115,6 +115,17 @@ def test_openai_client_completions_chat_stream_n_logprobs_usage(api):
     assert client.models.list().data[0].id == MODEL
 
 
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_MISTAKES = [
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [F, F]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+]
 BAD_REQUESTS = [
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b"[1, 2]", 400, None),
@@ -158,8 +169,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    *[("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}, 400, param)
+      for extra, param in TOOL_MISTAKES],
+    ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_nope", "content": "42"}]},
+     400, "messages.1.tool_call_id"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema.schema"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_grammar": "start: nowhere"}, 400, "guided_grammar"),
