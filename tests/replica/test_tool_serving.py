@@ -206,6 +206,8 @@ RESPONSES_MISTAKES = [
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"input": []}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/nowhere"}}}}}}, "text.format.schema"),
 ]
 
 
