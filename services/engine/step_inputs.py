@@ -39,11 +39,16 @@ _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_s
 _INT32_FIELDS = ("decode_context_lens", "decode_block_tables", "prefill_query_start_loc",
                  "prefill_context_lens", "prefill_block_tables")
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
+# Every field starts on a 16-byte boundary of the buffer (whose allocation is aligned wider): Triton
+# specializes a kernel on whether each pointer is 16-byte aligned, so fields packed back to back would
+# compile new kernel variants while serving, depending on the batch's shape.
+FIELD_ALIGN = 16
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each field lives in the step buffer: int64 fields first, then int32 (so all are aligned)."""
+    """Where each field lives in the step buffer: int64 fields first, then int32, each starting on a
+    FIELD_ALIGN boundary."""
 
     shapes: dict[str, tuple[int, ...]]
     spans: dict[str, tuple[int, int, torch.dtype]]  # name -> (start byte, end byte, dtype)
@@ -64,7 +69,7 @@ class StepLayout:
             dtype = torch.int64 if name in _INT64_FIELDS else torch.int32
             end = at + math.prod(shapes[name]) * dtype.itemsize
             spans[name] = (at, end, dtype)
-            at = end
+            at = -(-end // FIELD_ALIGN) * FIELD_ALIGN
         return cls(shapes, spans, at)
 
     def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:

@@ -131,7 +131,7 @@ class RouterService:
         self.metrics.decisions.labels(self.policy.name, chosen.info.replica_id).inc()
         self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
         if chosen.matched_blocks < len(route.block_hashes):
-            self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes))
+            self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes, chosen.matched_blocks))
         return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
 
     async def _prepare(self, req, max_model_len: int):
@@ -165,3 +165,6 @@ class RouterService:
     async def close(self) -> None:
         await self.proxy.close()
         self.grammars.close()
+        close_index = getattr(self.view.index, "close", None)
+        if close_index is not None:
+            await close_index()

@@ -30,7 +30,7 @@ from services.step_protocol import (
     SchedulerOutput,
 )
 from services.structured_output.compiler import CompiledGrammar, GrammarCompiler
-from services.structured_output.guide import bitmask_bytes
+from services.structured_output.guide import bitmask_bytes, compute_bitmasks
 
 log = logging.getLogger(__name__)
 
@@ -202,25 +202,26 @@ class SchedulerCore:
         request, and its sequence leaves the step before the engine sees it."""
         sched = self.scheduler
         rows = constrained = 0
-        start = None
-        dead = []
+        wanted: list[tuple[Sequence, ScheduledSequence]] = []
         for (req, _), s in zip(sched.last_scheduled, out.sequences, strict=True):
-            if not s.sample:
-                continue
-            rows += s.num_samples
-            if req.guide is None:
-                continue
-            if start is None:
-                start = time.perf_counter()
-            constrained += s.num_samples
-            s.token_bitmask = req.guide.bitmask(self._mask_bytes)
+            if s.sample:
+                rows += s.num_samples
+                if req.guide is not None:
+                    constrained += s.num_samples
+                    wanted.append((req, s))
+        self.sampled_rows += rows
+        if not wanted:
+            return
+        start = time.perf_counter()
+        masks = compute_bitmasks([req.guide for req, _ in wanted], self._mask_bytes)
+        self.constrained_rows += constrained
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_steps += 1
+        dead = []
+        for (req, s), mask in zip(wanted, masks, strict=True):
+            s.token_bitmask = mask
             if req.guide.error is not None:
                 dead.append(req)
-        self.sampled_rows += rows
-        if start is not None:
-            self.constrained_rows += constrained
-            self.mask_seconds += time.perf_counter() - start
-            self.mask_steps += 1
         for req in dead:
             self._fail_group(self.groups[req.request_id], f"structured output: {req.guide.error}", changed)
         if dead:

@@ -8,10 +8,34 @@ advances.
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
+_executor = None
+_executor_lock = threading.Lock()
+
 
 def bitmask_bytes(vocab_size: int) -> int:
     """Size of a packed token mask: one bit per token id, in little-endian int32 words."""
     return 4 * ((vocab_size + 31) // 32)
+
+
+def compute_bitmasks(guides: list[SequenceGuide], num_bytes: int) -> list[bytes]:
+    """The next-token masks of several guides at once, on llguidance's own threads (it drops the GIL)."""
+    if len(guides) == 1:
+        return [guides[0].bitmask(num_bytes)]
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+    buf = bytearray(num_bytes * len(guides))
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)  # kept alive while llguidance writes through it
+    _executor.unsafe_compute_mask_ptr([(g._matcher, i) for i, g in enumerate(guides)], ctypes.addressof(view),
+                                      num_bytes, len(guides))
+    del view
+    return [bytes(buf[i * num_bytes:(i + 1) * num_bytes]) for i in range(len(guides))]
 
 
 class SequenceGuide:

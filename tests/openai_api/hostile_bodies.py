@@ -25,6 +25,47 @@ json_value = st.recursive(json_leaf, lambda inner: st.one_of(st.lists(inner, max
                                                             st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                           max_leaves=12)
 
+# Structured output: regexes built to blow up or not to parse, schemas generated at random (with the
+# same leaves in the wrong places), grammars that do not compile or are over the size limit.
+HOSTILE_REGEXES = ["(a{100}){100}{100}", "((a{100}){100}){100}", "a{1000000}", "(x{1,1000}){1,1000}", "(a+)+$",
+                   "((a|b)*)*c", "[", "(?<=x)y", r"\p{NoSuchClass}", "a{2,1}", "", "[0-9]{3}"]
+HOSTILE_GRAMMARS = ["start: nowhere", "start: start", "root ::= [a-", "",
+                    'start: %json {"type": 5}', 'start: "x" %json {"type": "object"}', "%llguidance {}\nstart: /(a+)+/"]
+# Past the size limit (built lazily: a strategy's repr would otherwise hold the text).
+oversized = st.sampled_from([200_000, 50_000]).map(lambda n: "x" * n if n > 100_000 else 'start: "a"' + ' | "b"' * n)
+schema_leaf = st.one_of(
+    st.sampled_from([{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+                     {"type": "null"}, {"type": "string", "format": "no-such-format"}, {"type": "nonsense"},
+                     {"type": "integer", "minimum": 5, "maximum": 1}, {"enum": []}, {"$ref": "#/$defs/missing"},
+                     {"type": "string", "minLength": 10**9}, {"type": "array", "minItems": 10**6}, True, False]),
+    st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(HOSTILE_REGEXES)),
+    st.builds(lambda v: {"enum": v}, st.lists(json_leaf, min_size=1, max_size=3)),
+    st.builds(lambda v: {"const": v}, json_leaf), json_leaf)
+json_schemas = st.recursive(schema_leaf, lambda inner: st.one_of(
+    st.builds(lambda props, req, extra: {"type": "object", "properties": props, "required": req,
+                                         "additionalProperties": extra},
+              st.dictionaries(st.text(max_size=6), inner, max_size=4), st.lists(st.text(max_size=6), max_size=3),
+              st.one_of(st.booleans(), inner)),
+    st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner,
+              st.sampled_from([0, 1, 3, -1, 10**9])),
+    st.builds(lambda xs, k: {k: xs}, st.lists(inner, max_size=3), st.sampled_from(["anyOf", "oneOf", "allOf"]))),
+    max_leaves=10)
+constraint_values = {
+    "guided_regex": st.one_of(st.sampled_from(HOSTILE_REGEXES), oversized, json_leaf),
+    "guided_grammar": st.one_of(st.sampled_from(HOSTILE_GRAMMARS), oversized, json_leaf),
+    "guided_choice": st.one_of(st.lists(st.sampled_from(HOSTILE_STRINGS), max_size=3), json_value),
+    "guided_json": st.one_of(json_schemas, json_value),
+    "structured_outputs": st.one_of(
+        st.builds(lambda k, v: {k: v}, st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]),
+                  st.one_of(json_schemas, st.sampled_from(HOSTILE_REGEXES + HOSTILE_GRAMMARS), json_value)),
+        json_value),
+    "response_format": st.one_of(
+        st.builds(lambda s, strict: {"type": "json_schema", "json_schema": {"name": "x", "schema": s,
+                                                                             "strict": strict}},
+                  json_schemas, st.one_of(st.booleans(), json_leaf)),
+        st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]), json_value),
+}
+
 
 @st.composite
 def bodies(draw, model: str = MODEL):
@@ -57,6 +98,10 @@ def bodies(draw, model: str = MODEL):
         body[draw(st.sampled_from(["stop", "stop_token_ids", "stream", "stream_options", "ignore_eos", "tools",
                                    "response_format", "logit_bias", "cache_salt", "unknown_field", "echo"]))] = \
             draw(json_value)
+    if draw(st.integers(0, 3)) == 0:
+        name = draw(st.sampled_from(sorted(constraint_values)))
+        body[name] = draw(constraint_values[name])
+        body.setdefault("max_tokens", 8)  # a valid constraint is served: keep the fuzzing campaign short
     return chat, body
 
 

@@ -28,8 +28,8 @@ SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
                 max_queue: int = 16, token: InternalToken | None = None) -> AppServer:
     config = RouterConfig(policy=policy, max_queue=max_queue, request_timeout=10.0)
-    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url), signer=token), ApiKeys(keys or []),
-                            internal_token=token)
+    index = RedisIndex(connect(redis_url), signer=token, record_refresh=0)  # the registry's latest word
+    service = RouterService(config, tokenizer, index, ApiKeys(keys or []), internal_token=token)
     return AppServer(create_router_app(service))
 
 
@@ -143,7 +143,7 @@ def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):
     keys = ApiKeys.from_sources(str(keys_file), "sk-two")
     with FakeReplicas(redis_server.url, ["a"]):
         config = RouterConfig()
-        service = RouterService(config, tokenizer, RedisIndex(connect(redis_server.url)), keys)
+        service = RouterService(config, tokenizer, RedisIndex(connect(redis_server.url), record_refresh=0), keys)
         with AppServer(create_router_app(service)) as r:
             assert chat(r.url, "x").status_code == 401
             bad = chat(r.url, "x", headers={"authorization": "Bearer sk-three"})
