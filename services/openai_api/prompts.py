@@ -133,7 +133,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer
                            "may be called (their calls are constrained); use tool_choice \"none\" with it",
                            params.structured_outputs.field_name)
         try:
-            params.structured_outputs = tool_constraint(req, tools)
+            params.structured_outputs = tool_constraint(tools)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc) from None
         if not tools.parallel and CALL_CLOSE not in params.stop_strings:

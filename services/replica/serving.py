@@ -24,6 +24,7 @@ from services.openai_api.prompts import PreparedRequest, prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.routes import check_model
 from services.openai_api.streams import ClientGone, merge, until_disconnect
+from services.openai_api.tool_grammar import compile_constraint
 from services.replica.accumulator import ResponseAccumulator
 from services.replica.metrics import RequestTimer, SchedulerMetrics
 from services.replica.responses_endpoint import ResponsesEndpoint
@@ -112,10 +113,7 @@ class OpenAIServing:
                              make_format: Callable[[ResponseAccumulator], ResponseFormat]) -> Response:
         """Run a validated request and answer it in the format `make_format` builds over its accumulator."""
         if self.grammars is not None and prepared.params.structured_outputs is not None:
-            try:
-                await self.grammars.compile_async(prepared.params.structured_outputs)
-            except InvalidRequestError as exc:
-                raise APIError.from_invalid(exc) from None
+            await compile_constraint(self.grammars, prepared.params.structured_outputs, prepared.tools)
         if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         try:

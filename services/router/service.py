@@ -28,6 +28,7 @@ from services.openai_api.responses_protocol import (
     responses_error,
     to_chat,
 )
+from services.openai_api.tool_grammar import compile_constraint
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
@@ -35,7 +36,6 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
-from services.sampling_params import InvalidRequestError
 from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,7 @@ class RouterService:
         """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""
         prepared = await prepare_async(req, self.tokenizer, max_model_len)
         if prepared.params.structured_outputs is not None:
-            try:
-                await self.grammars.compile_async(prepared.params.structured_outputs)
-            except InvalidRequestError as exc:
-                raise APIError.from_invalid(exc) from None
+            await compile_constraint(self.grammars, prepared.params.structured_outputs, prepared.tools)
         return prepared
 
     async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:
