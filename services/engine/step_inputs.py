@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from services.engine.sampler import SampleRow
-from services.engine.step_validation import INDEX_LIMIT, MAX_NUM_SAMPLES, StepLimits, find_faults, sampling_ok
+from services.engine.step_validation import (
+    INDEX_LIMIT,
+    MAX_NUM_SAMPLES,
+    StepLimits,
+    find_faults,
+    penalties_ok,
+    sampling_ok,
+)
 from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
@@ -170,6 +177,8 @@ class StepInputBuilder:
                       and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab)
                 if ok and banned:
                     self._ints(banned, INDEX_LIMIT)
+                if ok and s.penalties is not None and not penalties_ok(s.penalties, vocab, max_len):
+                    raise _Refused
             elif s.sample is not False:
                 ok = False
             if not ok:
@@ -231,7 +240,8 @@ class StepInputBuilder:
             if s.sample:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
-                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
+                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids,
+                                          s.penalties))
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 

@@ -212,3 +212,18 @@ def test_bad_input_never_reaches_a_replica(tokenizer, redis_server, body, status
         assert big.status_code == 413
         assert fakes.who() == {"a": 0}
         assert chat(r.url, "fine").status_code == 200
+
+
+def test_tokenize_and_detokenize_are_answered_by_the_router(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        ids = tokenizer.encode("Where is parcel 1?")
+        for body in ({"model": MODEL, "prompt": "Where is parcel 1?"}, {"prompt": "Where is parcel 1?"}):
+            resp = httpx.post(r.url + "/tokenize", json=body, timeout=10)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["tokens"] == ids and resp.json()["count"] == len(ids)
+        back = httpx.post(r.url + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=10)
+        assert back.json() == {"prompt": "Where is parcel 1?"}
+        assert httpx.post(r.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
+        bad = httpx.post(r.url + "/detokenize", json={"model": MODEL, "tokens": [10**6]}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert fakes.who() == {"a": 0}  # no replica was involved
