@@ -84,11 +84,9 @@ class SchedulerOutput:
     def to_wire(self) -> dict:
         seqs = []
         for s in self.sequences:
-            d = _fields(s)
+            d = {name: getattr(s, name) for name in _WIRED_ALWAYS}
             d["sampling"] = _fields(s.sampling)
-            if s.penalties is None:
-                del d["penalties"]  # the common row carries nothing of it
-            else:
+            if s.penalties is not None:  # the common row carries nothing of it
                 d["penalties"] = _fields(s.penalties)
             seqs.append(d)
         return {"step_id": self.step_id, "sequences": seqs, "blocks_to_copy": [list(p) for p in self.blocks_to_copy]}
@@ -101,6 +99,10 @@ class SchedulerOutput:
         ]
         return cls(step_id=d["step_id"], sequences=seqs,
                    blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]])
+
+
+# Every field of a ScheduledSequence but the optional sub-specs, which go on the wire only when present.
+_WIRED_ALWAYS = tuple(name for name in ScheduledSequence.__dataclass_fields__ if name != "penalties")
 
 
 def _penalties_from_wire(s: dict) -> dict:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services import SamplingParams
 from services.engine.logits_processors import apply_min_p, apply_penalties
 from services.engine.sampler import Sampler, SampleRow
 from services.step_protocol import PenaltySpec, SamplingSpec
@@ -103,3 +105,26 @@ def test_log_probabilities_are_the_models_and_seeded_draws_follow_the_adjusted_d
     alone, _ = sampler(logits.clone(), [row])
     crowd, _ = sampler(torch.cat([torch.randn(2, VOCAB), logits]), _rows([None, None], 1.0) + [row])
     assert alone[0] == crowd[2]
+
+
+@pytest.mark.slow
+def test_repetition_penalty_and_bias_on_smollm2_equal_transformers(smollm2_fp32, hf_smollm2):
+    """Fidelity on the real model: transformers' RepetitionPenaltyLogitsProcessor is the same rule (over
+    prompt + output), and its sequence_bias on single tokens is logit_bias."""
+    prompt = smollm2_fp32.tokenizer.encode("List the colours: red, red, red, red, red, red,")
+    comma = smollm2_fp32.tokenizer.encode(",")[-1]
+
+    def ours(**kw):
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kw)
+        return smollm2_fp32.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def theirs(**kw):
+        with torch.no_grad():
+            out = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0, **kw)
+        return out[0, len(prompt):].tolist()
+
+    penalized = ours(repetition_penalty=1.4)
+    assert penalized == theirs(repetition_penalty=1.4)
+    assert penalized != ours()
+    assert ours(logit_bias={comma: -8.0}) == theirs(sequence_bias={(comma,): -8.0})

@@ -18,13 +18,13 @@ from tests.engine.conftest import make_tiny_model
 from tests.engine.test_logits_processors import reference_penalties
 
 PROMPTS = [list(range(2000, 2020)), list(range(700, 716)) * 2, [5, 9, 5, 9, 11] * 4, list(range(40000, 40030))]
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
-                        frequency_penalty=0.5, presence_penalty=0.4, logit_bias={17: 3.0, 2001: -5.0})
-SEEDED = SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True, repetition_penalty=1.2,
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                        frequency_penalty=0.5, presence_penalty=0.4, logit_bias={17: 12.0, 2001: -5.0})
+SEEDED = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, repetition_penalty=1.2,
                         min_p=0.05)
-FORKED = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True, frequency_penalty=1.0,
+FORKED = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, frequency_penalty=1.0,
                         presence_penalty=-0.5)
-BIASED = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={300: 8.0, 301: 7.5})
+BIASED = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={300: 8.0, 301: 7.5})
 PARAMS = [GREEDY, SEEDED, FORKED, BIASED]
 
 
@@ -62,22 +62,27 @@ def reference(hf, prompt: list[int], params: SamplingParams, sample_index: int =
     return out
 
 
+_REFERENCE: dict[tuple[int, int], list[int]] = {}  # (request, sample) -> tokens: both tests check the same
+
+
 def _check(outputs, hf) -> None:
-    for prompt, params, got in zip(PROMPTS, PARAMS, outputs, strict=True):
+    for i, (prompt, params, got) in enumerate(zip(PROMPTS, PARAMS, outputs, strict=True)):
         for j, choice in enumerate(got.outputs):
-            assert choice.token_ids == reference(hf, prompt, params, j), (params, j)
+            if (i, j) not in _REFERENCE:
+                _REFERENCE[i, j] = reference(hf, prompt, params, j)
+            assert choice.token_ids == _REFERENCE[i, j], (params, j)
 
 
 def test_penalties_stay_exact_under_preemption_and_forks(model_dir, hf):
-    # 10 blocks of 16 tokens cannot hold six sequences of 40: the scheduler preempts and recomputes.
-    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=10, max_num_batched_tokens=32)
+    # 8 blocks of 16 tokens cannot hold six sequences of 32 to 42: the scheduler preempts and recomputes.
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=32)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert llm.core.scheduler.num_preemptions > 0
     assert llm.core.pool.num_in_use == 0
     _check(outs, hf)
-    plain = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids
-    assert plain != outs[0].outputs[0].token_ids  # the penalties did change the answer
+    # The bias puts token 17 first; the penalties then push it back down as it repeats.
+    got = outs[0].outputs[0].token_ids
+    assert got[0] == 17 and 1 < got.count(17) < len(got)
 
 
 class FailingOnce(InProcessExecutor):
