@@ -79,7 +79,7 @@ def mutate(field: str, value, seq: int = 0) -> SchedulerOutput:
     elif field.startswith("penalties."):
         name = field.split(".", 1)[1]
         if s.penalties is None:
-            s.penalties = PenaltySpec()
+            s.penalties = PenaltySpec(0.5, -0.5, 1.2, 0.1, [3], [1.0], [6], [1])
         if name.endswith("[0]"):
             getattr(s.penalties, name[:-3])[0] = value
         else:
