@@ -115,12 +115,12 @@ def test_repetition_penalty_and_bias_on_smollm2_equal_transformers(smollm2_fp32,
     comma = smollm2_fp32.tokenizer.encode(",")[-1]
 
     def ours(**kw):
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kw)
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **kw)
         return smollm2_fp32.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
     def theirs(**kw):
         with torch.no_grad():
-            out = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+            out = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                       pad_token_id=0, **kw)
         return out[0, len(prompt):].tolist()
 
