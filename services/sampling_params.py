@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.structured_output.params import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -48,6 +52,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's [-100, 100])
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely token's
     best_of: int | None = None  # generate best_of samples, return the n with the highest cumulative logprob
+    # Guided decoding: every sample's output is constrained to this JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     MAX_LOGPROBS = 20
@@ -124,6 +130,11 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > 256):
             raise InvalidRequestError("cache_salt", "must be a non-empty string of at most 256 characters")
+        if self.structured_outputs is not None:
+            from services.structured_output.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
         self._validate_logits_processors(is_int, is_num)
 
     def _validate_logits_processors(self, is_int, is_num) -> None:

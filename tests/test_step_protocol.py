@@ -24,7 +24,7 @@ penalties = st.none() | st.builds(PenaltySpec, st.floats(-2, 2), st.floats(-2, 2
                                    st.floats(0, 1), ints, st.lists(st.floats(-100, 100), max_size=40), ints, ints)
 sequences = st.builds(ScheduledSequence, st.text(min_size=1, max_size=40), ints, st.integers(0, 8192), ints,
                       st.booleans(), specs, st.integers(1, 4), st.integers(0, 3), st.integers(0, 4096), ints,
-                      penalties)
+                      st.none() | st.binary(max_size=16), penalties)
 outputs = st.builds(SchedulerOutput, st.integers(0, 2**40), st.lists(sequences, max_size=8),
                     st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_size=4))
 

@@ -12,6 +12,9 @@ from typing import Protocol
 
 from services.openai_api.errors import APIError
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.structured import structured_outputs_of
+from services.openai_api.tool_grammar import tool_constraint
+from services.openai_api.tool_prompt import CALL_CLOSE, ToolUse, template_messages, tool_use
 from services.sampling_params import InvalidRequestError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -36,6 +39,7 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    tools: ToolUse | None = None  # the calls the model may make (chat with tools offered)
     echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices begin with
 
 
@@ -44,7 +48,13 @@ def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
     if req.prompt_token_ids is not None:
         prompts = [list(req.prompt_token_ids)]
     elif isinstance(req, ChatCompletionRequest):
-        prompts = [chat_prompt_ids(req.messages, tokenizer)]
+        messages, tools = template_messages(req, tokenizer)
+        try:
+            kw = {"tools": tools} if tools else {}
+            prompts = [tokenizer.apply_chat_template(messages, **kw)]
+        except Exception as exc:  # the template's own raise_exception(), e.g. roles out of order
+            raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
+                           "messages") from None
     elif isinstance(req.prompt, str):
         prompts = [tokenizer.encode(req.prompt)]
     elif req.prompt and isinstance(req.prompt[0], str):
@@ -129,7 +139,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=logit_bias_ids(req), min_p=req.min_p or 0.0,
-            best_of=None if is_chat else req.best_of)
+            best_of=None if is_chat else req.best_of,
+            structured_outputs=structured_outputs_of(req))
     except InvalidRequestError as exc:
         name = max_tokens_field if exc.field == "max_tokens" else exc.field
         if is_chat and exc.field == "logprobs":
@@ -145,12 +156,26 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,
             max_model_len: int) -> PreparedRequest:
+    tools = tool_use(req) if isinstance(req, ChatCompletionRequest) else None
     prompts = prompt_token_lists(req, tokenizer)
     _check_vocab_fields(req, tokenizer.vocab_size)
     params = sampling_params(req, max(len(p) for p in prompts), max_model_len)
-    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
-    echo = _echo_texts(req, prompts, tokenizer) if kind == "completion" and req.echo else None
-    return PreparedRequest(kind, req.model, prompts, params, req.stream, req.include_usage, echo)
+    if isinstance(req, ChatCompletionRequest) and tools is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"{params.structured_outputs.field_name}: cannot constrain the output while tools "
+                           "may be called (their calls are constrained); use tool_choice \"none\" with it",
+                           params.structured_outputs.field_name)
+        try:
+            params.structured_outputs = tool_constraint(req, tools)
+        except InvalidRequestError as exc:
+            raise APIError.from_invalid(exc) from None
+        if not tools.parallel and CALL_CLOSE not in params.stop_strings:
+            # One call, then the end: the call's closing tag stops generation (the parser needs no tag).
+            params.stop_strings.append(CALL_CLOSE)
+    if isinstance(req, ChatCompletionRequest):
+        return PreparedRequest("chat", req.model, prompts, params, req.stream, req.include_usage, tools)
+    echo = _echo_texts(req, prompts, tokenizer) if req.echo else None
+    return PreparedRequest("completion", req.model, prompts, params, req.stream, req.include_usage, echo=echo)
 
 
 def _echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:

@@ -41,7 +41,7 @@ class Sequence:
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
-                 "hash_root", "penalties", "cumulative_logprob")
+                 "hash_root", "guide", "penalties", "cumulative_logprob")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -68,6 +68,7 @@ class Sequence:
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
         self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
         self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
+        self.guide = None  # structured output: a SequenceGuide, advanced on each committed token (set by the core)
         # The request's bias/penalties/min_p without history (None: it has none); see `penalty_spec`.
         self.penalties = penalty_template(params, prompt_token_ids)
         self.cumulative_logprob = 0.0  # of the sampled tokens (ranks best_of samples)
@@ -112,6 +113,8 @@ class Sequence:
         child.forked = True
         child.min_tokens_banned = self.min_tokens_banned
         child.hash_root = self.hash_root
+        # The parent's guide has not advanced past the prompt yet: the child starts from the same state.
+        child.guide = self.guide.clone() if self.guide is not None else None
         child.penalties = self.penalties
         child.status = SequenceStatus.RUNNING
         child.token_ids.append(first_token)
