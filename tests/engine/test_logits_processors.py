@@ -68,7 +68,7 @@ def test_min_p_keeps_exactly_the_tokens_above_the_threshold():
 
 
 def _rows(specs_, temperature=0.0, seed=None, logprobs=None):
-    return [SampleRow(SamplingSpec(temperature=temperature, seed=seed, logprobs=logprobs), 0, 0, [], s)
+    return [SampleRow(SamplingSpec(temperature=temperature, seed=seed, logprobs=logprobs), 0, 0, penalties=s)
             for s in specs_]
 
 
@@ -93,15 +93,15 @@ def test_log_probabilities_are_the_models_and_seeded_draws_follow_the_adjusted_d
     spec = PenaltySpec(repetition_penalty=1.5, frequency_penalty=0.4, min_p=0.2, bias_token_ids=[3],
                        bias_values=[4.0], output_token_ids=[1, 1, 5], prompt_token_ids=[2, 9])
     sampler = Sampler(torch.device("cpu"))
-    tokens, lps = sampler(logits.expand(400, VOCAB).contiguous(),
-                          [SampleRow(SamplingSpec(temperature=0.9, logprobs=2), 0, i, [], spec) for i in range(400)])
+    rows = [SampleRow(SamplingSpec(temperature=0.9, logprobs=2), 0, i, penalties=spec) for i in range(400)]
+    tokens, lps = sampler(logits.expand(400, VOCAB).contiguous(), rows)
     raw = torch.log_softmax(logits[0].double(), -1)
     assert abs(lps[0].logprob - raw[tokens[0]].item()) < 1e-5  # raw: what the model gave, as vLLM's default
     p = torch.softmax(reference_penalties(logits[0], spec) / 0.9, -1)
     allowed = set((p >= 0.2 * p.max()).nonzero().flatten().tolist())
     assert set(tokens) <= allowed and len(set(tokens)) > 1
     # The same seed, sample and output index draw the same token whatever else is in the batch.
-    row = SampleRow(SamplingSpec(temperature=0.9, seed=123), 2, 4, [], spec)
+    row = SampleRow(SamplingSpec(temperature=0.9, seed=123), 2, 4, penalties=spec)
     alone, _ = sampler(logits.clone(), [row])
     crowd, _ = sampler(torch.cat([torch.randn(2, VOCAB), logits]), _rows([None, None], 1.0) + [row])
     assert alone[0] == crowd[2]
