@@ -26,7 +26,7 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
                  max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0):
+                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve"):
         from services.engine.tp_launch import start_runner
 
         # tensor_parallel_size > 1: this process is rank 0 and starts the other ranks as child processes.
@@ -38,7 +38,8 @@ class LLM:
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
-                                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+                                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                                 serving_system=serving_system)
         self._ids = itertools.count()
         self.step_hook = None  # called after every step (benchmarks read KV efficiency through it)
 

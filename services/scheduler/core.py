@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from services.block_hash import model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
-from services.scheduler.block_pool import BlockPool, KVEvent
+from services.scheduler.block_pool import KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
-from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request_output import CompletionOutput, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.serving_system import serving_system as get_serving_system
 from services.scheduler.step_isolation import execute_isolating
 from services.step_protocol import (
     EngineUnavailableError,
@@ -54,7 +54,8 @@ class _Group:
 class SchedulerCore:
     def __init__(self, executor: Executor, tokenizer, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, collect_kv_events: bool = False):
+                 max_model_len: int | None = None, collect_kv_events: bool = False,
+                 serving_system: str = "pagedserve"):
         self.executor = executor
         self.info = executor.handshake()
         self.tokenizer = tokenizer
@@ -63,12 +64,13 @@ class SchedulerCore:
         # A deque: the loop thread appends while the registry publisher drains from another thread, and
         # deque.append / popleft are atomic, so no event is lost between the two.
         self._events: deque[KVEvent] | None = deque() if collect_kv_events else None
-        self.pool = BlockPool(self.info.num_kv_blocks, enable_prefix_caching,
-                              on_event=self._record_event if self._events is not None else None)
-        watermark = max(1, self.info.num_kv_blocks // 100)
-        self.kv = KVCacheManager(self.pool, self.info.block_size, self.hash_seed, watermark_blocks=watermark)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
-                                   self.kv)
+        # pagedserve, or one of the papers' baselines (services.scheduler.serving_system).
+        self.system = system = get_serving_system(serving_system)
+        self.pool, self.kv = system.build_kv(
+            self.info.num_kv_blocks, self.info.block_size, self.hash_seed, self.max_model_len,
+            enable_prefix_caching, self._record_event if self._events is not None else None)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                                   system.batching), self.kv)
         self.eos_ids = frozenset(self.info.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._arrival = itertools.count()
@@ -92,6 +94,7 @@ class SchedulerCore:
         usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
         if n + 1 > usable:
             raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
+        self.kv.check_request(n, params)
         if params.top_k > vocab:
             raise InvalidRequestError("top_k", f"{params.top_k} exceeds the vocabulary size {vocab}")
         for t in params.stop_token_ids:

@@ -12,6 +12,8 @@ from services.scheduler.sequence import Sequence
 
 
 class KVCacheManager:
+    supports_sharing = True
+
     def __init__(self, pool: BlockPool, block_size: int, hash_seed: int, watermark_blocks: int = 0):
         self.pool = pool
         self.block_size = block_size
@@ -32,6 +34,9 @@ class KVCacheManager:
                               parent_hash=hashes[-1] if hashes else None, num_blocks=upto_tokens // self.block_size)
 
     # -- admission --------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, params) -> None:
+        """Paged blocks fit any request the pool can hold at all, which the core checks: nothing to add."""
+
     def find_cached_prefix(self, req: Sequence) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of `req`, leaving at least one token to compute."""
         if not self.pool.enable_caching:

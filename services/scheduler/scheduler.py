@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler.admission import Batching
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.step_protocol import ScheduledSequence, SchedulerOutput
@@ -26,6 +27,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    batching: Batching = Batching.ITERATION
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -71,6 +73,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
+        admit = self.config.batching.admits(len(self.running))
 
         # 1. Decodes, in admission order; blocks short -> preempt the newest running sequence.
         i = 0
@@ -107,7 +110,7 @@ class Scheduler:
         #    its place at the head) and then reuses those blocks instead of computing them again.
         pending = self._blocks_in_flight() if self.waiting else set()
         deferred: list[Sequence] = []
-        while (self.waiting and budget > 0 and not preempted
+        while (admit and self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
