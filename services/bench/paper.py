@@ -102,10 +102,22 @@ def summarize(report: dict) -> None:
 
 
 def run(args) -> int:
+    import torch
+
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, started)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, started: float) -> int:
     from services import LLM
     from services.bench.paper_comparison import comparison_rows, print_report
 
-    started = time.perf_counter()
     scales = {"sharegpt": args.scale_sharegpt, "alpaca": args.scale_alpaca}
     workloads = [WorkloadScale(DISTRIBUTIONS[n], scales[n]) for n in args.workloads.split(",")]
     pool = max([w.pool_blocks(args.block_size) for w in workloads] + [args.sharing_pool_blocks])
@@ -119,7 +131,8 @@ def run(args) -> int:
     llm.generate([[(7919 * i) % 40000 + 100 for i in range(48)]] * 4, SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     report = {"model": str(llm.runner.model_dir.name), "dtype": args.dtype, "block_size": args.block_size,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                         f"{args.threads or 'default'} torch threads",
               "bound": f"{args.bound_factor} x pagedserve's normalized latency at the lowest swept rate",
               "workloads": {w.dist.name: run_workload(llm, w, args, args.block_size) for w in workloads}}
     if args.sharing_requests > 0:
