@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from services.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from services.engine.config import EngineConfig
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.core import SchedulerCore
@@ -61,6 +62,8 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self._to_token_ids(prompt["prompt"])
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
@@ -82,6 +85,25 @@ class LLM:
             self.core.add_request(rid, ids, p, validated=True)
             rids.append(rid)
         return self._run(rids, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: prompts as strings, token lists or {"prompt": ...} /
+        {"prompt_token_ids": ...} dicts; one BeamSearchOutput per prompt, its best `beam_width` beams first.
+        Every prompt's beams run together in the continuous batch, sharing KV blocks."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        results = self.generate([self._to_token_ids(p) for p in prompts], params.to_sampling_params(), use_tqdm)
+        outputs = []
+        for res in results:
+            beams = []
+            for c in res.outputs:
+                tokens = res.prompt_token_ids + c.token_ids
+                beams.append(BeamSearchSequence(
+                    tokens, c.logprobs or [], c.cumulative_logprob or 0.0, self.tokenizer.decode(tokens, False),
+                    c.finish_reason, c.stop_reason, c.token_ids, c.text))
+            outputs.append(BeamSearchOutput(beams))
+        return outputs
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

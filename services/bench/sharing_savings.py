@@ -20,9 +20,8 @@ class SharingCounter:
     unshared: int = 0
 
     def observe(self, core) -> None:
-        tables = core.kv.tables
         self.in_use += core.pool.num_in_use
-        self.unshared += sum(len(tables.get(s.seq_id, ())) for s in core.scheduler.running)
+        self.unshared += core.kv.num_blocks_unshared()
 
     @property
     def saving_percent(self) -> float:

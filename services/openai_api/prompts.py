@@ -94,13 +94,16 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
+        default_temperature = 0.0 if req.use_beam_search else 1.0
         params = SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            n=req.n, temperature=default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt)
+            skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt,
+            use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping)
     except InvalidRequestError as exc:
         name = max_tokens_field if exc.field == "max_tokens" else exc.field
         if is_chat and exc.field == "logprobs":

@@ -10,9 +10,12 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 from services.block_hash import model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
+from services.scheduler import beam_requests
+from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_pool import KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
@@ -42,6 +45,9 @@ class _Group:
     seqs: list[Sequence | None]
     stream: bool
     error: str | None = None  # why it failed, when the engine failed under this request alone
+    beam: BeamSearch | None = None  # beam search: `seqs` are its live beams, the list the beams share
+    next_beam_index: int = 1
+    num_cached_tokens: int = 0  # beam search: prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -100,6 +106,10 @@ class SchedulerCore:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise InvalidRequestError("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab})")
+        if params.use_beam_search:
+            beam_requests.check_capacity(n, params, self.max_model_len, self.info.block_size,
+                                         self.info.num_kv_blocks - self.kv.watermark_blocks,
+                                         self.scheduler.config.max_num_seqs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool = False, validated: bool = False) -> None:
@@ -116,7 +126,10 @@ class SchedulerCore:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             req.min_tokens_banned = sorted(ends)
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
-        if stream or params.stop_strings:
+        if params.use_beam_search:
+            group.beam = beam_requests.start(req, self.eos_ids, self.max_model_len)
+            group.seqs = req.beam_group
+        elif stream or params.stop_strings:
             self._attach_detokenizer(req)
         self.groups[request_id] = group
         self.prompt_tokens += len(prompt_token_ids)
@@ -212,6 +225,7 @@ class SchedulerCore:
         sched = self.scheduler
         sampled = result.sampled
         logprobs = result.logprobs
+        beams: dict[str, _Group] = {}
         for req, n in sched.last_scheduled:
             if req.is_finished:
                 continue  # its request failed in this step; its blocks are already back in the pool
@@ -222,6 +236,10 @@ class SchedulerCore:
                 continue
             group = self.groups[req.request_id]
             lps = logprobs.get(req.seq_id)
+            if group.beam is not None:
+                req.beam_candidates = lps[0]
+                beams[group.request_id] = group
+                continue
             if len(tokens) > 1:
                 for j in range(1, len(tokens)):
                     child = req.fork(j, tokens[j], next(self._arrival))
@@ -234,6 +252,16 @@ class SchedulerCore:
             req.forked = True
             self._on_token(req, tokens[0], lps[0] if lps else None)
             changed[req.request_id] = group
+        for group in beams.values():
+            if beam_requests.ready(group.seqs):
+                group.num_cached_tokens = max([group.num_cached_tokens] + [s.num_cached_tokens for s in group.seqs])
+                self.generation_tokens += beam_requests.advance(group.beam, group.seqs, self.kv, sched,
+                                                                partial(self._branch, group))
+                changed[group.request_id] = group
+
+    def _branch(self, group: _Group, parent: Sequence) -> Sequence:
+        group.next_beam_index += 1
+        return parent.branch(group.next_beam_index - 1, next(self._arrival))
 
     def _on_token(self, req: Sequence, token: int, lp, first_append_done: bool = False) -> None:
         if not first_append_done:
@@ -260,6 +288,8 @@ class SchedulerCore:
 
     # -- reporting --------------------------------------------------------------------------
     def _make_output(self, group: _Group) -> RequestOutput:
+        if group.beam is not None:
+            return self._beam_output(group)
         outs = []
         cached = 0
         for i, seq in enumerate(group.seqs):
@@ -277,6 +307,16 @@ class SchedulerCore:
             outs.append(CompletionOutput(i, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs))
             cached = max(cached, seq.num_cached_tokens)
         out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
+        if group.error is not None:
+            out.error, out.error_kind = group.error, "request"
+        return out
+
+    def _beam_output(self, group: _Group) -> RequestOutput:
+        params = group.params
+        outs = beam_requests.completions(group.beam, group.seqs, params,
+                                         lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens),
+                                         group.finished)
+        out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, group.num_cached_tokens)
         if group.error is not None:
             out.error, out.error_kind = group.error, "request"
         return out

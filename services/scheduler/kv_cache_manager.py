@@ -134,3 +134,8 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def num_blocks_unshared(self) -> int:
+        """Blocks the current tables would hold if no block were shared (n > 1 forks, beams, prefix hits);
+        `pool.num_in_use` is what they hold: the difference is what sharing saves now."""
+        return sum(len(t) for t in self.tables.values())
