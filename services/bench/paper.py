@@ -46,18 +46,19 @@ def run_workload(llm, w: WorkloadScale, args, block_size: int) -> dict:
     rates = [round(f * capacity, 3) for f in _floats(args.fractions)]
     print(f"\n{w.dist.name}: scale {w.scale}, max sequence {w.max_seq_len} tokens, pool {w.pool_blocks(block_size)} "
           f"blocks of {block_size}; pagedserve capacity {capacity:.2f} req/s; rates {rates}", flush=True)
-    systems: dict[str, dict] = {}
-    for system in args.systems.split(","):
-        busiest = BusiestMoment()
-        sweep = []
-        for rate in rates:
+    names = args.systems.split(",")
+    busiest = {s: BusiestMoment() for s in names}
+    sweeps: dict[str, list[dict]] = {s: [] for s in names}
+    # Systems take turns at each rate, so a change in the machine's load lands on all of them alike.
+    for rate in rates:
+        for system in names:
             trace = poisson_trace(w, args.num_requests, rate, vocab, args.seed, tag=f"{system}-{rate}-")
-            res = serve_trace(core_for(system), trace, rate, on_step=busiest.observe)
-            sweep.append(res.as_dict())
+            res = serve_trace(core_for(system), trace, rate, on_step=busiest[system].observe)
+            sweeps[system].append(res.as_dict())
             print(f"  {system:<14} rate {rate:>7.3f}: normalized latency {res.normalized_latency:.4f} s/token, "
                   f"{res.throughput:.2f} req/s served, max {res.max_running} running "
                   f"({res.busy_seconds:.1f} s)", flush=True)
-        systems[system] = {**busiest.result().as_dict(), "sweep": sweep}
+    systems = {s: {**busiest[s].result().as_dict(), "sweep": sweeps[s]} for s in names}
     lowest = systems.get("pagedserve", next(iter(systems.values())))["sweep"][0]["normalized_latency"]
     bound = args.bound_factor * lowest
     for entry in systems.values():
