@@ -171,9 +171,9 @@ def _add_bench_paper(bsub) -> None:
                    help="ShareGPT lengths, maximum sequence length and pool times this")
     q.add_argument("--scale-alpaca", type=float, default=0.5, help="the same for Alpaca")
     q.add_argument("--num-requests", type=int, default=32, help="requests per rate")
-    q.add_argument("--fractions", default="0.1,0.25,0.5,0.75,1.0,1.5",
+    q.add_argument("--fractions", default="0.5,1,2,4",
                    help="swept rates, as fractions of pagedserve's measured capacity (all requests at once)")
-    q.add_argument("--bound-factor", type=float, default=5.0,
+    q.add_argument("--bound-factor", type=float, default=2.0,
                    help="latency bound: this times pagedserve's normalized latency at the lowest rate")
     q.add_argument("--sharing-requests", type=int, default=8, help="requests of the sharing runs (0: skip)")
     q.add_argument("--sharing-pool-blocks", type=int, default=640)

@@ -81,21 +81,29 @@ def sharing(llm, args) -> dict:
     return {"workload": "alpaca (scale 1)", "requests": len(trace), "parallel_sampling": par, "beam_search": beam}
 
 
-def ratio(a: float, b: float) -> float | None:
-    return round(a / b, 2) if b > 0 else None
+def ratio(a: dict, b: dict) -> str | None:
+    """Sustained rate of `a` over `b`: ">=" when only a's is a lower limit (it sustained the whole sweep),
+    "<=" when only b's is, ">" over the lowest swept rate when b was over the bound even there, None when
+    both sustained the whole sweep (it reached neither limit)."""
+    ra, rb = a["sustained_rate"], b["sustained_rate"]
+    la, lb = a["sustained_rate_is_lower_limit"], b["sustained_rate_is_lower_limit"]
+    if la and lb:
+        return None
+    if rb <= 0:
+        return f">{ra / b['sweep'][0]['rate']:.2f}" if ra > 0 else None
+    return (">=" if la else "<=" if lb else "") + f"{ra / rb:.2f}"
 
 
 def summarize(report: dict) -> None:
     wl = report["workloads"]
     report["sustained_rate_ratios"] = {
-        name: {f"pagedserve/{s}": ratio(d["systems"]["pagedserve"]["sustained_rate"], d["systems"][s]["sustained_rate"])
+        name: {f"pagedserve/{s}": ratio(d["systems"]["pagedserve"], d["systems"][s])
                for s in SYSTEMS if s != "pagedserve" and s in d["systems"]}
         for name, d in wl.items() if "pagedserve" in d["systems"]}
     report["request_vs_iteration_level"] = {
         name: {"request-level_rps": d["systems"]["request-level"]["sustained_rate"],
                "orca-max_rps": d["systems"]["orca-max"]["sustained_rate"],
-               "iteration/request (same allocator)": ratio(d["systems"]["orca-max"]["sustained_rate"],
-                                                           d["systems"]["request-level"]["sustained_rate"])}
+               "iteration/request (same allocator)": ratio(d["systems"]["orca-max"], d["systems"]["request-level"])}
         for name, d in wl.items() if {"request-level", "orca-max"} <= d["systems"].keys()}
     # Flat view under the names the issue gives: systems -> workload -> breakdown and sustained rate.
     report["systems"] = {s: {name: {k: v for k, v in d["systems"][s].items() if k != "sweep"}

@@ -16,7 +16,7 @@ def _pct(x) -> str:
 
 
 def _x(x) -> str:
-    return "-" if x is None else f"{x:.2f}x"
+    return "not reached by the sweep" if x is None else f"{x}x"
 
 
 def comparison_rows(report: dict) -> list[dict]:
