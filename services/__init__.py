@@ -1,11 +1,12 @@
 """pagedserve: continuous batching over a paged KV cache, served as router, scheduler and engine.
 
-`from services import LLM, SamplingParams` is the offline API; it loads torch only when used.
+`from services import LLM, SamplingParams, BeamSearchParams` is the offline API; it loads torch only when used.
 """
 
+from services.beam_search_params import BeamSearchParams
 from services.sampling_params import InvalidRequestError, SamplingParams
 
-__all__ = ["LLM", "InvalidRequestError", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "InvalidRequestError", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -164,6 +164,7 @@ def _add_bench(sub) -> None:
                    "dropped-streams, drain, overload")
     c.add_argument("--json", dest="json_path", default=None)
     c.set_defaults(handler="services.bench.chaos:run")
+    _add_bench_paper(bsub)
     x = bsub.add_parser("index", help="the prefix index under a simulated fleet: cost per decision against N")
     x.add_argument("--replicas", default="10,100,1000", help="comma-separated fleet sizes")
     x.add_argument("--redis-cluster", type=int, default=0, help="run on a local cluster of this many shards")
@@ -183,6 +184,35 @@ def _add_bench(sub) -> None:
     o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler")
     o.add_argument("--requests", type=int, default=500)
     o.set_defaults(handler="services.bench.routing:run_overhead")
+
+
+def _add_bench_paper(bsub) -> None:
+    q = bsub.add_parser("paper", help="the Orca and vLLM papers' baselines (request-level, Orca-Max/Pow2/Oracle) "
+                        "against pagedserve on one engine: KV memory breakdown, latency vs rate, sharing savings")
+    q.add_argument("--model", default=None)
+    q.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    q.add_argument("--workloads", default="sharegpt,alpaca", help="comma-separated: sharegpt, alpaca")
+    q.add_argument("--systems", default="pagedserve,orca-oracle,orca-pow2,orca-max,request-level",
+                   help="comma-separated serving systems (pagedserve first: the bound and rates derive from it)")
+    q.add_argument("--scale-sharegpt", type=float, default=0.125,
+                   help="ShareGPT lengths, maximum sequence length and pool times this")
+    q.add_argument("--scale-alpaca", type=float, default=0.5, help="the same for Alpaca")
+    q.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    q.add_argument("--fractions", default="0.5,1,2,4",
+                   help="swept rates, as fractions of pagedserve's measured capacity (all requests at once)")
+    q.add_argument("--bound-factor", type=float, default=2.0,
+                   help="latency bound: this times pagedserve's normalized latency at the lowest rate")
+    q.add_argument("--sharing-requests", type=int, default=8, help="requests of the sharing runs (0: skip)")
+    q.add_argument("--sharing-pool-blocks", type=int, default=640)
+    q.add_argument("--block-size", type=int, default=16)
+    q.add_argument("--max-num-seqs", type=int, default=256)
+    q.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--threads", type=int, default=None,
+                   help="torch threads (1 keeps timings steadier on a machine others load too)")
+    q.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    q.add_argument("--plot", default=None, help="write the figures to this PNG (matplotlib)")
+    q.set_defaults(handler="services.bench.paper:run")
 
 
 def build_parser() -> argparse.ArgumentParser:

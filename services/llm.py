@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from services.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from services.engine.config import EngineConfig
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.core import SchedulerCore
@@ -26,7 +27,7 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
                  max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0):
+                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve"):
         from services.engine.tp_launch import start_runner
 
         # tensor_parallel_size > 1: this process is rank 0 and starts the other ranks as child processes.
@@ -38,7 +39,8 @@ class LLM:
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
-                                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+                                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                                 serving_system=serving_system)
         self._ids = itertools.count()
         self.step_hook = None  # called after every step (benchmarks read KV efficiency through it)
 
@@ -60,6 +62,8 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self._to_token_ids(prompt["prompt"])
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
@@ -87,6 +91,25 @@ class LLM:
             self.core.add_request(rid, ids, p, validated=True, grammar=grammar)
             rids.append(rid)
         return self._run(rids, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: prompts as strings, token lists or {"prompt": ...} /
+        {"prompt_token_ids": ...} dicts; one BeamSearchOutput per prompt, its best `beam_width` beams first.
+        Every prompt's beams run together in the continuous batch, sharing KV blocks."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        results = self.generate([self._to_token_ids(p) for p in prompts], params.to_sampling_params(), use_tqdm)
+        outputs = []
+        for res in results:
+            beams = []
+            for c in res.outputs:
+                tokens = res.prompt_token_ids + c.token_ids
+                beams.append(BeamSearchSequence(
+                    tokens, c.logprobs or [], c.cumulative_logprob or 0.0, self.tokenizer.decode(tokens, False),
+                    c.finish_reason, c.stop_reason, c.token_ids, c.text))
+            outputs.append(BeamSearchOutput(beams))
+        return outputs
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -45,6 +45,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation: blocks of different salts never match
+    # Beam search (vLLM's extension): n beams, scored as transformers' generate(num_beams=n) does.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # finished beams score cumulative logprob / generated_tokens ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
     # vLLM's penalties: presence/frequency over the tokens generated so far, repetition over prompt + output.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -136,6 +140,26 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
         self._validate_logits_processors(is_int, is_num)
+        if not isinstance(self.use_beam_search, bool):
+            raise InvalidRequestError("use_beam_search", f"must be a boolean, got {self.use_beam_search!r}")
+        if not is_num(self.length_penalty):
+            raise InvalidRequestError("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never") or not isinstance(self.early_stopping, (bool, str)):
+            raise InvalidRequestError("early_stopping", f'must be true, false or "never", got {self.early_stopping!r}')
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """Beam search is deterministic: what would change a token choice is refused, never ignored."""
+        if self.effective_temperature != 0:
+            raise InvalidRequestError("temperature", "must be 0 with beam search (it ranks beams, it does not sample)")
+        if self.top_p != 1.0 or self.top_k not in (-1, 0) or self.seed is not None:
+            name = "top_p" if self.top_p != 1.0 else "top_k" if self.top_k not in (-1, 0) else "seed"
+            raise InvalidRequestError(name, "is not supported with beam search")
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens", "is not supported with beam search")
+        if self.stop_strings:
+            raise InvalidRequestError("stop", "stop strings are not supported with beam search (stop_token_ids are)")
 
     def _validate_logits_processors(self, is_int, is_num) -> None:
         lo, hi = self.PENALTY_RANGE

@@ -108,6 +108,8 @@ def reject_unsupported(req: _SamplingFields) -> None:
         raise _refuse("store", "storing completions")
     if req.service_tier not in (None, "auto", "default"):
         raise _refuse("service_tier", f"service tier {req.service_tier!r}")
+    if req.use_beam_search and req.stream:
+        raise _refuse("stream", "streaming beam search (the best beams are known only at the end)")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):

@@ -129,8 +129,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     try:
+        default_temperature = 0.0 if req.use_beam_search else 1.0
         params = SamplingParams(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            n=req.n, temperature=default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
@@ -140,7 +141,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=logit_bias_ids(req), min_p=req.min_p or 0.0,
             best_of=None if is_chat else req.best_of,
-            structured_outputs=structured_outputs_of(req))
+            use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
+            early_stopping=req.early_stopping, structured_outputs=structured_outputs_of(req))
     except InvalidRequestError as exc:
         name = max_tokens_field if exc.field == "max_tokens" else exc.field
         if is_chat and exc.field == "logprobs":

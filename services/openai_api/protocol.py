@@ -102,6 +102,10 @@ class _SamplingFields(_Strict):
     user: Name | None = None
     # Prefix-cache isolation (vLLM's field): blocks of different salts never match.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+    # vLLM's beam-search extension: n beams, the n best returned (scored as transformers' generate does).
+    use_beam_search: bool = False
+    length_penalty: Finite = 1.0
+    early_stopping: bool | Literal["never"] = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     # (at most one of them; services.openai_api.structured reads them).
     response_format: ResponseFormat | None = None

@@ -101,6 +101,14 @@ class BlockPool:
         block.ref_cnt = 1
         return block
 
+    def take(self, block: KVBlock) -> None:
+        """Allocate this particular free block: contiguous reservations choose which blocks they get."""
+        assert block.ref_cnt == 0, f"{block} is in use"
+        self.free_queue.remove(block)
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+
     def _evict(self, block: KVBlock) -> None:
         h = block.block_hash
         if self.cached.get(h) is block:

@@ -11,16 +11,19 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 from services.block_hash import model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
-from services.scheduler.block_pool import BlockPool, KVEvent
+from services.scheduler import beam_requests
+from services.scheduler.beam_search import BeamSearch
+from services.scheduler.block_pool import KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
-from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request_output import CompletionOutput, GuidedStats, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.serving_system import serving_system as get_serving_system
 from services.scheduler.step_isolation import execute_isolating
 from services.step_protocol import (
     EngineUnavailableError,
@@ -45,6 +48,9 @@ class _Group:
     seqs: list[Sequence | None]
     stream: bool
     error: str | None = None  # why it failed, when the engine failed under this request alone
+    beam: BeamSearch | None = None  # beam search: `seqs` are its live beams, the list the beams share
+    next_beam_index: int = 1
+    num_cached_tokens: int = 0  # beam search: prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -66,7 +72,8 @@ def best_of(outs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
 class SchedulerCore:
     def __init__(self, executor: Executor, tokenizer, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, collect_kv_events: bool = False):
+                 max_model_len: int | None = None, collect_kv_events: bool = False,
+                 serving_system: str = "pagedserve"):
         self.executor = executor
         self.info = executor.handshake()
         self.tokenizer = tokenizer
@@ -75,12 +82,13 @@ class SchedulerCore:
         # A deque: the loop thread appends while the registry publisher drains from another thread, and
         # deque.append / popleft are atomic, so no event is lost between the two.
         self._events: deque[KVEvent] | None = deque() if collect_kv_events else None
-        self.pool = BlockPool(self.info.num_kv_blocks, enable_prefix_caching,
-                              on_event=self._record_event if self._events is not None else None)
-        watermark = max(1, self.info.num_kv_blocks // 100)
-        self.kv = KVCacheManager(self.pool, self.info.block_size, self.hash_seed, watermark_blocks=watermark)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len),
-                                   self.kv)
+        # pagedserve, or one of the papers' baselines (services.scheduler.serving_system).
+        self.system = system = get_serving_system(serving_system)
+        self.pool, self.kv = system.build_kv(
+            self.info.num_kv_blocks, self.info.block_size, self.hash_seed, self.max_model_len,
+            enable_prefix_caching, self._record_event if self._events is not None else None)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                                   system.batching), self.kv)
         self.eos_ids = frozenset(self.info.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._arrival = itertools.count()
@@ -113,6 +121,7 @@ class SchedulerCore:
         usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
         if n + 1 > usable:
             raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
+        self.kv.check_request(n, params)
         if params.top_k > vocab:
             raise InvalidRequestError("top_k", f"{params.top_k} exceeds the vocabulary size {vocab}")
         for t in params.stop_token_ids:
@@ -121,6 +130,10 @@ class SchedulerCore:
         for t in params.logit_bias or ():
             if t >= vocab:
                 raise InvalidRequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
+        if params.use_beam_search:
+            beam_requests.check_capacity(n, params, self.max_model_len, self.info.block_size,
+                                         self.info.num_kv_blocks - self.kv.watermark_blocks,
+                                         self.scheduler.config.max_num_seqs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool = False, validated: bool = False, grammar: CompiledGrammar | None = None) -> None:
@@ -143,7 +156,10 @@ class SchedulerCore:
             req.min_tokens_banned = sorted(ends)
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.num_sequences - 1),
                        stream)
-        if stream or params.stop_strings:
+        if params.use_beam_search:
+            group.beam = beam_requests.start(req, self.eos_ids, self.max_model_len)
+            group.seqs = req.beam_group
+        elif stream or params.stop_strings:
             self._attach_detokenizer(req)
         self.groups[request_id] = group
         self.prompt_tokens += len(prompt_token_ids)
@@ -275,6 +291,7 @@ class SchedulerCore:
         sched = self.scheduler
         sampled = result.sampled
         logprobs = result.logprobs
+        beams: dict[str, _Group] = {}
         for req, n in sched.last_scheduled:
             if req.is_finished:
                 continue  # its request failed in this step; its blocks are already back in the pool
@@ -286,6 +303,10 @@ class SchedulerCore:
             group = self.groups[req.request_id]
             changed[req.request_id] = group
             lps = logprobs.get(req.seq_id)
+            if group.beam is not None:
+                req.beam_candidates = lps[0]
+                beams[group.request_id] = group
+                continue
             if len(tokens) > 1:
                 for j in range(1, len(tokens)):
                     child = req.fork(j, tokens[j], next(self._arrival))
@@ -298,6 +319,16 @@ class SchedulerCore:
             req.forked = True
             if not req.is_finished:  # a forked sample's grammar may have failed the request
                 self._on_token(req, tokens[0], lps[0] if lps else None)
+        for group in beams.values():
+            if beam_requests.ready(group.seqs):
+                group.num_cached_tokens = max([group.num_cached_tokens] + [s.num_cached_tokens for s in group.seqs])
+                self.generation_tokens += beam_requests.advance(group.beam, group.seqs, self.kv, sched,
+                                                                partial(self._branch, group))
+                changed[group.request_id] = group
+
+    def _branch(self, group: _Group, parent: Sequence) -> Sequence:
+        group.next_beam_index += 1
+        return parent.branch(group.next_beam_index - 1, next(self._arrival))
 
     def _on_token(self, req: Sequence, token: int, lp, first_append_done: bool = False) -> None:
         guide = req.guide
@@ -338,6 +369,8 @@ class SchedulerCore:
 
     # -- reporting --------------------------------------------------------------------------
     def _make_output(self, group: _Group) -> RequestOutput:
+        if group.beam is not None:
+            return self._beam_output(group)
         outs = []
         cached = 0
         for i, seq in enumerate(group.seqs):
@@ -359,6 +392,16 @@ class SchedulerCore:
         if len(outs) > group.params.n:
             outs = best_of(outs, group.params.n)
         out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
+        if group.error is not None:
+            out.error, out.error_kind = group.error, "request"
+        return out
+
+    def _beam_output(self, group: _Group) -> RequestOutput:
+        params = group.params
+        outs = beam_requests.completions(group.beam, group.seqs, params,
+                                         lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens),
+                                         group.finished)
+        out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, group.num_cached_tokens)
         if group.error is not None:
             out.error, out.error_kind = group.error, "request"
         return out

@@ -12,6 +12,8 @@ from services.scheduler.sequence import Sequence
 
 
 class KVCacheManager:
+    supports_sharing = True
+
     def __init__(self, pool: BlockPool, block_size: int, hash_seed: int, watermark_blocks: int = 0):
         self.pool = pool
         self.block_size = block_size
@@ -32,6 +34,9 @@ class KVCacheManager:
                               parent_hash=hashes[-1] if hashes else None, num_blocks=upto_tokens // self.block_size)
 
     # -- admission --------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, params) -> None:
+        """Paged blocks fit any request the pool can hold at all, which the core checks: nothing to add."""
+
     def find_cached_prefix(self, req: Sequence) -> list[KVBlock]:
         """Longest run of cached full blocks at the start of `req`, leaving at least one token to compute."""
         if not self.pool.enable_caching:
@@ -129,3 +134,8 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def num_blocks_unshared(self) -> int:
+        """Blocks the current tables would hold if no block were shared (n > 1 forks, beams, prefix hits);
+        `pool.num_in_use` is what they hold: the difference is what sharing saves now."""
+        return sum(len(t) for t in self.tables.values())

@@ -3,8 +3,9 @@
 Every step: running decodes first (one token each), then running prompts that are mid-prefill, then
 waiting requests in arrival order, all under a token budget (chunked prefill: a long prompt takes
 what is left and continues next step, so decodes never stall behind it). When KV blocks run out the
-most recently admitted sequence is preempted and later recomputed. Waiting requests are admitted
-strictly first come, first served: the head of the queue is never overtaken, so none starves.
+most recently admitted sequence is preempted and later recomputed (a beam with the other beams of its
+request). Waiting requests are admitted strictly first come, first served: the head of the queue is
+never overtaken, so none starves.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler.admission import Batching
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.step_protocol import ScheduledSequence, SchedulerOutput
@@ -26,6 +28,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    batching: Batching = Batching.ITERATION
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -71,24 +74,27 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
+        admit = self.config.batching.admits(len(self.running))
 
-        # 1. Decodes, in admission order; blocks short -> preempt the newest running sequence.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_tokens - req.num_computed_tokens != 1:
-                i += 1
+        # 1. Decodes, in admission order; blocks short -> preempt the newest running sequence (with its
+        #    beam group: a group's beams advance together, so they leave and come back together).
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not SequenceStatus.RUNNING or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             while not self.kv.allocate_slots(req, 1):
-                victim = self.running[-1]
-                self._preempt(victim)
                 preempted = True
-                if victim is req:
+                if self._preempt(self.running[-1]):
+                    # Beams of that group scheduled earlier in this step are gone too.
+                    kept = [(s, n) for s, n in scheduled if s.status is SequenceStatus.RUNNING]
+                    budget += len(scheduled) - len(kept)
+                    scheduled = kept
+                if req.status is not SequenceStatus.RUNNING:
                     break
             else:
                 scheduled.append((req, 1))
                 budget -= 1
-                i += 1
 
         # 2. Prompts already admitted but not fully computed (chunked prefill continues).
         for req in self.running:
@@ -107,7 +113,7 @@ class Scheduler:
         #    its place at the head) and then reuses those blocks instead of computing them again.
         pending = self._blocks_in_flight() if self.waiting else set()
         deferred: list[Sequence] = []
-        while (self.waiting and budget > 0 and not preempted
+        while (admit and self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
@@ -135,6 +141,10 @@ class Scheduler:
             budget -= n
             pending.update(req.block_hashes[nxt:])
         self.waiting.extendleft(reversed(deferred))
+        if not scheduled and self.running:
+            # Nothing can run: every running sequence is a beam waiting for siblings that cannot be admitted
+            # while it holds its blocks (or a prompt chunk that finds none). Free the newest to break the wait.
+            self._preempt(self.running[-1])
 
         self._scheduled = scheduled
         self._step += 1
@@ -172,14 +182,29 @@ class Scheduler:
                 pending.update(req.block_hashes[req.num_computed_tokens // bs:])
         return pending
 
-    def _preempt(self, req: Sequence) -> None:
+    def _preempt(self, req: Sequence) -> bool:
+        """Back to the head of the queue, to be recomputed; a beam takes its whole group along (True)."""
+        group = req.beam_group
+        if group is None:
+            self._preempt_one(req)
+            self.waiting.appendleft(req)
+            return False
+        for s in group:
+            if s.status is SequenceStatus.RUNNING:
+                self._preempt_one(s)
+            elif not s.is_finished:
+                self.waiting.remove(s)
+        self.waiting.extendleft(reversed(group))  # together and in order, so they are admitted together
+        return True
+
+    def _preempt_one(self, req: Sequence) -> None:
         self.running.remove(req)
         req.set_status(SequenceStatus.PREEMPTED)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.beam_candidates = None  # recomputation gives them again
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
 
     def _reject_oversized(self, req: Sequence) -> None:
         """Nothing runs and the head request still doesn't fit: it never will. Finish it as 'length'."""

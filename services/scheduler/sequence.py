@@ -1,7 +1,9 @@
 """One sequence being served, and the explicit state machine it moves through.
 
 A request with `n > 1` starts as one sequence; when its prompt is done it forks into `n` sequences that
-share the prompt's KV blocks (copy-on-write). Each sequence is scheduled on its own.
+share the prompt's KV blocks (copy-on-write). Each sequence is scheduled on its own. A beam-search
+request starts as one sequence too; each step its beams branch (a beam chosen twice becomes two
+sequences sharing every block so far) or are dropped (services.scheduler.beam_search decides).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class Sequence:
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
-                 "hash_root", "guide", "penalties", "cumulative_logprob")
+                 "hash_root", "cum_logprob", "beam_candidates", "beam_group", "guide", "penalties",
+                 "cumulative_logprob")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -62,12 +65,17 @@ class Sequence:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, computed lazily
         self.logprobs: list | None = [] if params.logprobs is not None else None
-        self.forked = params.num_sequences == 1  # True once the n (or best_of) samples exist
+        self.forked = params.num_sequences == 1 or params.use_beam_search  # True once the n (or best_of) samples exist
         self.detokenizer = None
         self.num_preemptions = 0
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
         self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
         self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
+        # Beam search: the summed logprob of its output, the engine's top-K for its next token (until the
+        # search has used them), and the live beams of its request (one list, shared by all of them).
+        self.cum_logprob = 0.0
+        self.beam_candidates = None
+        self.beam_group: list[Sequence] | None = None
         self.guide = None  # structured output: a SequenceGuide, advanced on each committed token (set by the core)
         # The request's bias/penalties/min_p without history (None: it has none); see `penalty_spec`.
         self.penalties = penalty_template(params, prompt_token_ids)
@@ -103,10 +111,12 @@ class Sequence:
                            p.bias_token_ids, p.bias_values, self.token_ids[self.num_prompt_tokens:],
                            p.prompt_token_ids)
 
-    def fork(self, sample_index: int, first_token: int, arrival: int) -> Sequence:
-        """A sibling sample sharing this prompt; the caller shares the KV blocks."""
-        child = Sequence(self.request_id, self.token_ids[:self.num_prompt_tokens], self.params, arrival,
-                        sample_index)
+    def _sibling(self, sample_index: int, arrival: int, num_tokens: int) -> Sequence:
+        """A sequence of the same request holding this one's first `num_tokens` tokens, already computed as
+        far as this one is; the caller shares the KV blocks."""
+        child = Sequence(self.request_id, self.token_ids[:num_tokens], self.params, arrival, sample_index)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.spec = self.spec
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_hashes = list(self.block_hashes)
@@ -117,7 +127,20 @@ class Sequence:
         child.guide = self.guide.clone() if self.guide is not None else None
         child.penalties = self.penalties
         child.status = SequenceStatus.RUNNING
+        return child
+
+    def fork(self, sample_index: int, first_token: int, arrival: int) -> Sequence:
+        """A sibling sample sharing this prompt; the caller shares the KV blocks."""
+        child = self._sibling(sample_index, arrival, self.num_prompt_tokens)
         child.token_ids.append(first_token)
+        return child
+
+    def branch(self, sample_index: int, arrival: int) -> Sequence:
+        """A second beam continuing from this one's tokens so far (all computed); the caller shares the blocks."""
+        child = self._sibling(sample_index, arrival, self.num_tokens)
+        child.cum_logprob = self.cum_logprob
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.beam_group = self.beam_group
         return child
 
     def __repr__(self) -> str:

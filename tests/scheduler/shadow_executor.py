@@ -48,6 +48,16 @@ class ShadowExecutor:
     def next_token(self, context: list[int]) -> int:
         return (sum(context) * 7 + len(context) * 13) % (self.info.vocab_size - 10) + 10
 
+    def top_logprobs(self, context: list[int], token: int, k: int) -> TokenLogprobs:
+        """k distinct alternatives with context-dependent logprobs (beam search ranks them); EOS among
+        them for some contexts, so beams also end."""
+        h = self.next_token(context)
+        ids = [token] + [(token + 37 * i - 10) % (self.info.vocab_size - 10) + 10 for i in range(1, k)]
+        if h % 3 == 0:
+            ids[h % k] = EOS
+        lps = [-0.1 - 0.4 * i - (h % 11) * 0.05 * (i > 0) for i in range(k)]
+        return TokenLogprobs(lps[0], ids, lps)
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.on_execute:
             self.on_execute(out)
@@ -89,7 +99,9 @@ class ShadowExecutor:
                         self.history[f"{s.seq_id.split('#')[0]}#{s.sample_index + j}"] = list(ctx)
                 result.sampled[s.seq_id] = toks
                 if s.sampling.logprobs is not None:
-                    result.logprobs[s.seq_id] = [TokenLogprobs(-0.5, [t], [-0.5]) for t in toks]
+                    k = s.sampling.logprobs
+                    result.logprobs[s.seq_id] = [self.top_logprobs(ctx + [j], t, k) if k > 1
+                                                 else TokenLogprobs(-0.5, [t], [-0.5]) for j, t in enumerate(toks)]
         return result
 
     def reset(self) -> None:

@@ -11,10 +11,11 @@ from services.scheduler.core import SchedulerCore
 from tests.scheduler.shadow_executor import EOS, ShadowExecutor
 
 
-def make_core(tokenizer, num_blocks=64, block_size=4, budget=32, max_seqs=8, caching=True, **kw):
+def make_core(tokenizer, num_blocks=64, block_size=4, budget=32, max_seqs=8, caching=True, system="pagedserve",
+              **kw):
     ex = ShadowExecutor(num_blocks, block_size, **kw)
     core = SchedulerCore(ex, tokenizer, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                      enable_prefix_caching=caching)
+                      enable_prefix_caching=caching, serving_system=system)
     ex.lookup = lambda seq_id: next(r.token_ids for r in core.scheduler.running if r.seq_id == seq_id)
     return core, ex
 

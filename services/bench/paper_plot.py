@@ -1,0 +1,67 @@
+"""The plot of a `bench paper` report: normalized latency against rate per workload (the vLLM paper's
+Figure 12), the KV memory breakdown at the busiest step (its Figure 2), and the memory saved by sharing
+(its Figure 15)."""
+
+from __future__ import annotations
+
+PARTS = (("token_states", "token states", "#4c72b0"), ("reserved", "reserved", "#55a868"),
+         ("internal_fragmentation", "internal fragmentation", "#dd8452"),
+         ("external_fragmentation", "external fragmentation", "#c44e52"))
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    workloads = report["workloads"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    for ax, (name, d) in zip(axes[0], workloads.items(), strict=False):
+        for system, entry in d["systems"].items():
+            pts = entry["sweep"]
+            ax.plot([p["rate"] for p in pts], [p["normalized_latency"] for p in pts], marker="o", label=system)
+        ax.axhline(d["latency_bound_s_per_token"], color="grey", linestyle=":", label="latency bound")
+        top = max(p["normalized_latency"] for e in d["systems"].values() for p in e["sweep"])
+        ax.set_ylim(0, min(top * 1.05, d["latency_bound_s_per_token"] * 3))
+        ax.set_title(f"{name}-like (x{d['scale']} lengths): normalized latency vs rate")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("mean end-to-end latency / output tokens (s/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    ax = axes[1][0]
+    labels, bottoms = [], []
+    bars = {key: [] for key, _, _ in PARTS}
+    for name, d in workloads.items():
+        for system, entry in d["systems"].items():
+            labels.append(f"{system}\n{name}")
+            for key, _, _ in PARTS:
+                bars[key].append(entry[key])
+    bottoms = [0.0] * len(labels)
+    for key, label, color in PARTS:
+        ax.bar(range(len(labels)), bars[key], bottom=bottoms, color=color, label=label)
+        bottoms = [b + v for b, v in zip(bottoms, bars[key], strict=True)]
+    ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=60)
+    ax.set_ylabel("% of the KV pool")
+    ax.set_ylim(0, 100)
+    ax.set_title("KV memory at the busiest step")
+    ax.legend(fontsize=8)
+
+    ax = axes[1][1]
+    share = report.get("sharing", {})
+    widths = ["2", "4", "6"]
+    for i, (key, label) in enumerate((("parallel_sampling", "parallel sampling (n)"),
+                                      ("beam_search", "beam search (width)"))):
+        values = [share.get(key, {}).get(k, 0.0) for k in widths]
+        ax.bar([j + 0.4 * i for j in range(len(widths))], values, width=0.4, label=label)
+    ax.set_xticks([j + 0.2 for j in range(len(widths))], widths)
+    ax.set_xlabel("samples or beams per request")
+    ax.set_ylabel("% of blocks saved by sharing")
+    ax.set_title(f"memory saved by sharing ({share.get('workload', '-')})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"pagedserve bench paper: {report['model']} ({report['dtype']}), {report['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
