@@ -9,19 +9,11 @@ import pytest
 
 from services import LLM, BeamSearchParams
 from tests.e2e.openai_checks import client, kv_usage, model_id
-from tests.e2e.test_serve import start_serve
+from tests.e2e.test_serve import serve_url  # noqa: F401  (the fixture: `pagedserve serve` of the tiny model)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama_dir):
-    proc, url = start_serve(tiny_llama_dir)
-    yield url
-    proc.terminate()
-    assert proc.wait(30) == 0
-
-
-def test_use_beam_search_equals_offline_beam_search(served, tiny_llama_dir):
-    c = client(served)
+def test_use_beam_search_equals_offline_beam_search(serve_url, tiny_llama_dir):  # noqa: F811
+    c = client(serve_url)
     model = model_id(c)
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=8)
     params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5)
@@ -38,7 +30,7 @@ def test_use_beam_search_equals_offline_beam_search(served, tiny_llama_dir):
     ids = llm.tokenizer.apply_chat_template(msgs)
     want = llm.beam_search([ids], BeamSearchParams(beam_width=2, max_tokens=6, early_stopping=True))[0].sequences
     assert [ch.message.content for ch in chat.choices] == [s.output_text for s in want]
-    assert kv_usage(httpx.get(served + "/metrics").text) == 0
+    assert kv_usage(httpx.get(serve_url + "/metrics").text) == 0
 
 
 @pytest.mark.parametrize("extra,field", [
@@ -46,9 +38,9 @@ def test_use_beam_search_equals_offline_beam_search(served, tiny_llama_dir):
     ({"seed": 1}, "seed"), ({"stop": ["x"]}, "stop"), ({"n": 9}, "n"), ({"max_tokens": 3000}, "max_tokens"),
     ({"early_stopping": "maybe"}, "early_stopping"), ({"length_penalty": "long"}, "length_penalty"),
 ])
-def test_bad_beam_search_requests_are_400s_naming_the_field(served, extra, field):
-    body = {"model": model_id(client(served)), "prompt": "x", "n": 2, "max_tokens": 4, "use_beam_search": True,
+def test_bad_beam_search_requests_are_400s_naming_the_field(serve_url, extra, field):  # noqa: F811
+    body = {"model": model_id(client(serve_url)), "prompt": "x", "n": 2, "max_tokens": 4, "use_beam_search": True,
             **extra}
-    r = httpx.post(served + "/v1/completions", json=body, timeout=30)
+    r = httpx.post(serve_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field, r.text

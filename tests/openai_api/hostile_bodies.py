@@ -16,7 +16,8 @@ BOUNDARY_FLOATS = [0.0, -0.0, 1e-320, 5e-324, 1e-50, 1e-6, 1e-5, 0.5, 1.0, 1.000
                    float("inf"), float("-inf"), float("nan")]
 INT_FIELDS = ["max_tokens", "top_k", "n", "seed", "min_tokens", "logprobs", "top_logprobs",
               "max_completion_tokens", "best_of"]
-FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "length_penalty"]
 HOSTILE_STRINGS = ["", "x", "\ud800", "a\udfffb", "\x00", "é" * 3, "😀", "<|im_end|>", "x" * 2000]
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.sampled_from(BOUNDARY_INTS), st.sampled_from(BOUNDARY_FLOATS),
@@ -51,7 +52,8 @@ def bodies(draw, model: str = MODEL):
         body[name] = draw(st.one_of(st.sampled_from(BOUNDARY_FLOATS), json_leaf))
     if draw(st.booleans()):
         body[draw(st.sampled_from(["stop", "stop_token_ids", "stream", "stream_options", "ignore_eos", "tools",
-                                   "response_format", "logit_bias", "cache_salt", "unknown_field", "echo"]))] = \
+                                   "response_format", "logit_bias", "cache_salt", "unknown_field", "echo",
+                                   "use_beam_search", "early_stopping"]))] = \
             draw(json_value)
     return chat, body
 
