@@ -34,10 +34,14 @@ DEFAULT_TILE_N = 64
 # outweighs the extra parallelism.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# The reduce kernel's tile covers any split count (masked): one compiled variant, not one per power of two.
+REDUCE_SPLITS = next_pow2(MAX_SPLITS)
 PROGRAMS_PER_SM = 2
 
 
-@triton.jit
+# Arguments that vary from step to step: Triton would otherwise compile a variant for each value equal to 1 or
+# divisible by 16 (tests/kernels/test_triton_variants.py counts the variants over a run of steps).
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr,
                          qk_scale, num_splits, min_split_tokens, num_q_heads,
@@ -79,7 +83,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_le
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_q_heads, stride_os, stride_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
@@ -171,7 +175,8 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             if split:
                 _decode_reduce_kernel[(num_seqs, num_q_heads)](
                     part_out, part_lse, out, num_splits, num_q_heads, out.stride(0), out.stride(1),
-                    HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SPLITS=next_pow2(num_splits), num_warps=4,
+                    HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SPLITS=max(REDUCE_SPLITS, next_pow2(num_splits)),
+                    num_warps=4,
                 )
         return out
 

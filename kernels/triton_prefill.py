@@ -27,7 +27,8 @@ LOG2E = 1.4426950408889634
 DEFAULT_TILE_N = 64
 
 
-@triton.jit
+# The block-table width varies from step to step: no variant per value divisible by 16 or equal to 1.
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc_ptr, context_lens_ptr,
                     out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,

@@ -53,6 +53,8 @@ def _add_up(sub) -> None:
     S.add_options(p, own + (S.REDIS_URL, S.POLICY, S.MAX_QUEUE), S.DEFAULT_PORTS["router"])
     p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start")
     p.add_argument("--routers", type=int, default=1, help="router processes to start (ports port, port+1, ...)")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="start a local Redis Cluster of N shards (+1 replica each) instead of one redis-server")
     p.set_defaults(handler="services.commands.up:run")
 
 
@@ -134,6 +136,8 @@ def _add_bench(sub) -> None:
     s.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
     s.add_argument("--slo", default="ttft=500ms,tpot=100ms", help="goodput counts requests meeting it")
     s.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
+    s.add_argument("--structured", type=float, default=0.0,
+                   help="share of requests (0-1) constrained to a JSON schema (response_format json_schema)")
     s.add_argument("--warmup", type=int, default=8, help="requests sent to each server before measuring")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log-dir", default=None, help="where started servers' logs go (default .bench/logs)")
@@ -153,6 +157,22 @@ def _add_bench(sub) -> None:
                    "dropped-streams, drain, overload")
     c.add_argument("--json", dest="json_path", default=None)
     c.set_defaults(handler="services.bench.chaos:run")
+    x = bsub.add_parser("index", help="the prefix index under a simulated fleet: cost per decision against N")
+    x.add_argument("--replicas", default="10,100,1000", help="comma-separated fleet sizes")
+    x.add_argument("--redis-cluster", type=int, default=0, help="run on a local cluster of this many shards")
+    x.add_argument("--cached-blocks", type=int, default=1000, help="background blocks each replica caches")
+    x.add_argument("--capacity", type=int, default=4000, help="blocks a replica's cache holds")
+    x.add_argument("--groups-per-replica", type=int, default=1, help="system prompts per replica")
+    x.add_argument("--questions", type=int, default=10, help="requests per system prompt")
+    x.add_argument("--hold", type=int, default=0, help="decisions a request stays in flight (0: 2 x replicas)")
+    x.add_argument("--publish-every", type=int, default=10, help="decisions between two event publishes")
+    x.add_argument("--event-seconds", type=float, default=3.0, help="length of the event-rate phase")
+    x.add_argument("--event-scale", type=float, default=1.0,
+                   help="fraction of the H200 event rate (2,000 block events/s per replica) to generate")
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--json", dest="json_path", default=None)
+    x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")
+    x.set_defaults(handler="services.bench.index_bench:run")
     o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler")
     o.add_argument("--requests", type=int, default=500)
     o.set_defaults(handler="services.bench.routing:run_overhead")

@@ -78,10 +78,16 @@ class LLM:
         token_lists = [self._to_token_ids(p) for p in prompts]
         for ids, p in zip(token_lists, plist, strict=True):
             self.core.validate(ids, p)
+        # Structured output: every constraint compiles (in parallel, cached) before any prompt is queued.
+        for p in plist:
+            if p.structured_outputs is not None:
+                self.core.grammars.submit(p.structured_outputs)
+        grammars = [None if p.structured_outputs is None else self.core.grammars.compile(p.structured_outputs)
+                    for p in plist]
         rids = []
-        for ids, p in zip(token_lists, plist, strict=True):
+        for ids, p, grammar in zip(token_lists, plist, grammars, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.core.add_request(rid, ids, p, validated=True)
+            self.core.add_request(rid, ids, p, validated=True, grammar=grammar)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 

@@ -20,6 +20,16 @@ GENERATION_TOKENS = "pagedserve_generation_tokens_total"  # counter
 TIME_TO_FIRST_TOKEN = "pagedserve_time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = "pagedserve_inter_token_latency_seconds"  # histogram
 E2E_REQUEST_LATENCY = "pagedserve_e2e_request_latency_seconds"  # histogram
+# Structured output (counters): compile time per compile = compile_seconds / compiles; mask time per step =
+# mask_seconds / mask_steps; constrained share of rows = constrained_rows / sampled_rows.
+GUIDED_COMPILES = "pagedserve_structured_output_compiles_total"
+GUIDED_COMPILE_SECONDS = "pagedserve_structured_output_compile_seconds_total"
+GUIDED_CACHE_HITS = "pagedserve_structured_output_grammar_cache_hits_total"
+GUIDED_COMPILE_FAILURES = "pagedserve_structured_output_compile_failures_total"
+GUIDED_MASK_STEPS = "pagedserve_structured_output_mask_steps_total"
+GUIDED_MASK_SECONDS = "pagedserve_structured_output_mask_seconds_total"
+GUIDED_CONSTRAINED_ROWS = "pagedserve_structured_output_constrained_rows_total"
+SAMPLED_ROWS = "pagedserve_sampled_rows_total"
 
 # --- router ---
 ROUTER_REQUESTS = "pagedserve_router_requests_total"  # counter, label status (HTTP code)
@@ -38,7 +48,8 @@ AUTOSCALING_METRIC = REQUESTS_WAITING
 SCHEDULER_METRICS = frozenset({
     REQUESTS_WAITING, REQUESTS_RUNNING, KV_CACHE_USAGE_RATIO, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
     PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
-    E2E_REQUEST_LATENCY,
+    E2E_REQUEST_LATENCY, GUIDED_COMPILES, GUIDED_COMPILE_SECONDS, GUIDED_CACHE_HITS, GUIDED_COMPILE_FAILURES,
+    GUIDED_MASK_STEPS, GUIDED_MASK_SECONDS, GUIDED_CONSTRAINED_ROWS, SAMPLED_ROWS,
 })
 ROUTER_METRICS = frozenset({
     ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_REQUESTS_HELD,

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.structured_output.params import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -45,6 +49,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0  # finished beams score cumulative logprob / generated_tokens ** length_penalty
     early_stopping: bool | str = False  # True, False or "never", as in transformers
+    # Guided decoding: every sample's output is constrained to this JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     MAX_LOGPROBS = 20
@@ -105,6 +111,11 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > 256):
             raise InvalidRequestError("cache_salt", "must be a non-empty string of at most 256 characters")
+        if self.structured_outputs is not None:
+            from services.structured_output.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.use_beam_search, bool):
             raise InvalidRequestError("use_beam_search", f"must be a boolean, got {self.use_beam_search!r}")
         if not is_num(self.length_penalty):
@@ -125,3 +136,5 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens", "is not supported with beam search")
         if self.stop_strings:
             raise InvalidRequestError("stop", "stop strings are not supported with beam search (stop_token_ids are)")
+        if self.structured_outputs is not None:
+            raise InvalidRequestError("structured_outputs", "is not supported with beam search")

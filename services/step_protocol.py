@@ -42,6 +42,9 @@ class ScheduledSequence:
     output_index: int = 0  # tokens this sequence has generated so far (seed mixing)
     # Token ids the sampler must not pick this step: EOS and stop token ids until min_tokens are out.
     banned_token_ids: list[int] = field(default_factory=list)
+    # Structured output: the token ids the sampler may pick this step, one bit per id of the vocabulary
+    # (little-endian int32 words, as bytes: 4 * ceil(vocab / 32) of them). None: unconstrained.
+    token_bitmask: bytes | None = None
 
 
 @dataclass(slots=True)

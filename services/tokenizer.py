@@ -21,6 +21,7 @@ from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -54,6 +55,10 @@ class ModelTokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
         self._template = env.from_string(template)
+        # A template that reads `tools` renders function definitions itself (as transformers passes them);
+        # one that does not gets them through services.openai_api.tool_prompt's fallback block.
+        self.template_reads_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
+        self.template_source = template
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token",
                                                                   "pad_token")}
         self.vocab_size = self.fast.get_vocab_size()
@@ -103,12 +108,15 @@ class ModelTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.fast.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._special)
+                                     **self._special, **extra)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, tools)
         if self._splitter is not None:
             return self._encode_pieces(text)
         return self.fast.encode(text, add_special_tokens=False).ids

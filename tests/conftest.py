@@ -90,6 +90,28 @@ def redis_server(redis_session):
     return redis_session
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_session():
+    """A real local Redis Cluster: 3 shards of a primary and a replica each."""
+    from services.commands.redis_cluster import LocalRedisCluster
+
+    cluster = LocalRedisCluster(3).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_session):
+    """The session's cluster, emptied for this test."""
+    from redis.cluster import RedisCluster
+
+    cluster = redis_cluster_session
+    client = RedisCluster(host="127.0.0.1", port=cluster.ports[0], password=cluster.password)
+    client.flushall(target_nodes=RedisCluster.PRIMARIES)
+    client.close()
+    return redis_cluster_session
+
+
 @pytest.fixture
 def private_redis():
     """A redis-server of this test alone (for tests that stop it)."""

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -222,42 +223,75 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
 constexpr int64_t kArgmaxChunk = 1024;  // logits widened to float32 this many at a time
 
+// Structured output: token t of a row is allowed when bit t of the row's packed mask is set (int32 words,
+// little-endian bit order, as llguidance writes them). Rows without a mask are the kMasked = false
+// instantiations below: exactly the unmasked code, no bit test.
+static inline bool token_allowed(const int32_t* mask, int64_t t) {
+  return (static_cast<uint32_t>(mask[t >> 5]) >> (t & 31)) & 1u;
+}
+
 // Greedy sampling: index of the largest logit of each row (the first one on ties), read once in the
 // logits' own dtype. Replaces logits.float().max(-1), which writes a float32 copy of the whole matrix.
-template <typename T>
-static void argmax_rows_kernel(const T* x, int64_t* out, int64_t rows, int64_t cols, int64_t row_s) {
+// Masked: the largest allowed logit; -1 for a row that allows no token at all.
+template <typename T, bool kMasked>
+static void argmax_rows_kernel(const T* x, const int32_t* mask, int64_t mask_s, int64_t* out, int64_t rows,
+                               int64_t cols, int64_t row_s) {
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     float buf[kArgmaxChunk];
     for (int64_t r = b; r < e; ++r) {
       const T* row = x + r * row_s;
+      const int32_t* rmask = kMasked ? mask + r * mask_s : nullptr;
       float best = -INFINITY;
-      int64_t best_chunk = 0;
+      int64_t best_chunk = -1;
       for (int64_t c = 0; c < cols; c += kArgmaxChunk) {
         const int64_t n = std::min(kArgmaxChunk, cols - c);
         widen(row + c, buf, n);
         float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
-        if (m > best) { best = m; best_chunk = c; }  // strict: keeps the first chunk on ties
+        bool any = !kMasked;
+        if constexpr (kMasked) {
+          for (int64_t i = 0; i < n; i += 32) {  // chunks start on a word: skip disallowed words whole
+            const uint32_t bits = static_cast<uint32_t>(rmask[(c + i) >> 5]);
+            if (bits == 0) continue;
+            const int64_t end = std::min<int64_t>(32, n - i);
+            for (int64_t j = 0; j < end; ++j) {
+              if ((bits >> j) & 1u) { m = any ? std::max(m, buf[i + j]) : buf[i + j]; any = true; }
+            }
+          }
+        } else {
+          for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
+        }
+        // strict: keeps the first chunk on ties
+        if (any && (best_chunk < 0 || m > best)) { best = m; best_chunk = c; }
       }
+      if (best_chunk < 0) { out[r] = -1; continue; }  // masked: nothing allowed
       const int64_t n = std::min(kArgmaxChunk, cols - best_chunk);
       widen(row + best_chunk, buf, n);
       int64_t at = best_chunk;
       for (int64_t i = 0; i < n; ++i) {
-        if (buf[i] == best) { at = best_chunk + i; break; }
+        if (buf[i] == best && (!kMasked || token_allowed(rmask, best_chunk + i))) { at = best_chunk + i; break; }
       }
       out[r] = at;
     }
   });
 }
 
-// Largest value of a row, read once in the logits' own dtype.
-template <typename T>
-static float row_max(const T* row, int64_t cols, float* buf) {
+// Largest value of a row among its allowed tokens, read once in the logits' own dtype (-inf: none).
+template <typename T, bool kMasked>
+static float row_max(const T* row, const int32_t* mask, int64_t cols, float* buf) {
   float m = -INFINITY;
   for (int64_t c = 0; c < cols; c += kArgmaxChunk) {
     const int64_t n = std::min(kArgmaxChunk, cols - c);
     widen(row + c, buf, n);
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
+    if constexpr (kMasked) {
+      for (int64_t i = 0; i < n; i += 32) {
+        const uint32_t bits = static_cast<uint32_t>(mask[(c + i) >> 5]);
+        if (bits == 0) continue;
+        const int64_t end = std::min<int64_t>(32, n - i);
+        for (int64_t j = 0; j < end; ++j) if ((bits >> j) & 1u) m = std::max(m, buf[i + j]);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) m = std::max(m, buf[i]);
+    }
   }
   return m;
 }
@@ -267,14 +301,17 @@ static float row_max(const T* row, int64_t cols, float* buf) {
 // round to the same value and the lower id would win. Every token within one such unit of the row's
 // maximum is rescored as an exact float32 dot product of the final hidden state and its output-
 // embedding row; the best score wins (the first on ties). Typically a handful of dots per row.
-template <typename T>
-static void argmax_exact_kernel(const T* x, const T* hid, const T* w, int64_t* out, int64_t rows, int64_t cols,
-                                int64_t H, int64_t x_s, int64_t h_s, int64_t w_s) {
+// Masked: only allowed tokens are candidates; -1 for a row that allows none.
+template <typename T, bool kMasked>
+static void argmax_exact_kernel(const T* x, const T* hid, const T* w, const int32_t* mask, int64_t mask_s,
+                                int64_t* out, int64_t rows, int64_t cols, int64_t H, int64_t x_s, int64_t h_s,
+                                int64_t w_s) {
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     std::vector<float> buf(kArgmaxChunk), hf(H), wf(H);
     for (int64_t r = b; r < e; ++r) {
       const T* row = x + r * x_s;
-      const float m = row_max(row, cols, buf.data());
+      const int32_t* rmask = kMasked ? mask + r * mask_s : nullptr;
+      const float m = row_max<T, kMasked>(row, rmask, cols, buf.data());
       // >= one unit in the last place at m for bfloat16 (8 significant bits) and float16 (11).
       const float floor_value = m - std::max(std::fabs(m) / 128.f, 1e-30f);
       widen(hid + r * h_s, hf.data(), H);
@@ -285,29 +322,49 @@ static void argmax_exact_kernel(const T* x, const T* hid, const T* w, int64_t* o
         widen(row + c, buf.data(), n);
         for (int64_t i = 0; i < n; ++i) {
           if (!(buf[i] >= floor_value)) continue;
+          if constexpr (kMasked) {
+            if (!token_allowed(rmask, c + i)) continue;
+          }
           widen(w + (c + i) * w_s, wf.data(), H);
           float dot = 0.f;
           for (int64_t k = 0; k < H; ++k) dot += hf[k] * wf[k];
           if (at < 0 || dot > best) { best = dot; at = c + i; }
         }
       }
-      out[r] = at < 0 ? 0 : at;
+      if constexpr (kMasked) {
+        if (at < 0) {  // every allowed logit is -inf (or none is allowed): the first allowed token, or -1
+          for (int64_t t = 0; t < cols && at < 0; ++t) if (token_allowed(rmask, t)) at = t;
+        }
+        out[r] = at;
+      } else {
+        out[r] = at < 0 ? 0 : at;
+      }
     }
   });
 }
 
-torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight) {
+static void check_mask(const torch::Tensor& x, const torch::Tensor& mask) {
+  TORCH_CHECK(mask.dim() == 2 && mask.size(0) == x.size(0) && mask.stride(1) == 1 &&
+              mask.scalar_type() == at::kInt, "mask: int32 [rows, words] with contiguous rows");
+  TORCH_CHECK(mask.size(1) * 32 >= x.size(1), "mask: fewer bits than the vocabulary");
+}
+
+static void check_exact_args(const torch::Tensor& x, const torch::Tensor& hidden, const torch::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits must be 2-D with contiguous rows");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == x.size(0) && hidden.stride(1) == 1, "hidden: [rows, H]");
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) >= x.size(1) && weight.size(1) == hidden.size(1) &&
               weight.stride(1) == 1, "weight: [vocab, H]");
   TORCH_CHECK(hidden.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
               "logits, hidden and weight must share a dtype");
+}
+
+torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight) {
+  check_exact_args(x, hidden, weight);
   auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows_exact", [&] {
-    argmax_exact_kernel<scalar_t>(x.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                  out.data_ptr<int64_t>(), x.size(0), x.size(1), hidden.size(1), x.stride(0),
-                                  hidden.stride(0), weight.stride(0));
+    argmax_exact_kernel<scalar_t, false>(x.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(),
+                                         weight.data_ptr<scalar_t>(), nullptr, 0, out.data_ptr<int64_t>(), x.size(0),
+                                         x.size(1), hidden.size(1), x.stride(0), hidden.stride(0), weight.stride(0));
   });
   return out;
 }
@@ -316,8 +373,64 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits must be 2-D with contiguous rows");
   auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
-    argmax_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1),
-                                 x.stride(0));
+    argmax_rows_kernel<scalar_t, false>(x.data_ptr<scalar_t>(), nullptr, 0, out.data_ptr<int64_t>(), x.size(0),
+                                        x.size(1), x.stride(0));
   });
   return out;
+}
+
+// The masked twins: `mask` is int32 [rows, >= ceil(vocab / 32)], a row's bit t set when token t is allowed.
+torch::Tensor argmax_rows_masked(torch::Tensor x, torch::Tensor mask) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits must be 2-D with contiguous rows");
+  check_mask(x, mask);
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows_masked", [&] {
+    argmax_rows_kernel<scalar_t, true>(x.data_ptr<scalar_t>(), mask.data_ptr<int32_t>(), mask.stride(0),
+                                       out.data_ptr<int64_t>(), x.size(0), x.size(1), x.stride(0));
+  });
+  return out;
+}
+
+torch::Tensor argmax_rows_exact_masked(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight,
+                                       torch::Tensor mask) {
+  check_exact_args(x, hidden, weight);
+  check_mask(x, mask);
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows_exact_masked", [&] {
+    argmax_exact_kernel<scalar_t, true>(x.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(),
+                                        weight.data_ptr<scalar_t>(), mask.data_ptr<int32_t>(), mask.stride(0),
+                                        out.data_ptr<int64_t>(), x.size(0), x.size(1), hidden.size(1), x.stride(0),
+                                        hidden.stride(0), weight.stride(0));
+  });
+  return out;
+}
+
+// Disallowed tokens' logits set to -inf in place (before temperature, top-k, top-p and log-softmax).
+template <typename T>
+static void apply_bitmask_kernel(T* x, const int32_t* mask, int64_t mask_s, int64_t rows, int64_t cols,
+                                 int64_t row_s) {
+  const T neg_inf = static_cast<T>(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* row = x + r * row_s;
+      const int32_t* rmask = mask + r * mask_s;
+      for (int64_t w = 0; w * 32 < cols; ++w) {
+        const uint32_t bits = static_cast<uint32_t>(rmask[w]);
+        if (bits == 0xffffffffu) continue;
+        const int64_t end = std::min<int64_t>(32, cols - w * 32);
+        for (int64_t i = 0; i < end; ++i) {
+          if (!((bits >> i) & 1u)) row[w * 32 + i] = neg_inf;
+        }
+      }
+    }
+  });
+}
+
+void apply_token_bitmask(torch::Tensor x, torch::Tensor mask) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits must be 2-D with contiguous rows");
+  check_mask(x, mask);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_token_bitmask", [&] {
+    apply_bitmask_kernel<scalar_t>(x.data_ptr<scalar_t>(), mask.data_ptr<int32_t>(), mask.stride(0), x.size(0),
+                                   x.size(1), x.stride(0));
+  });
 }

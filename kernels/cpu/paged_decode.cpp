@@ -244,6 +244,9 @@ void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight);
+torch::Tensor argmax_rows_masked(torch::Tensor x, torch::Tensor mask);
+torch::Tensor argmax_rows_exact_masked(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight, torch::Tensor mask);
+void apply_token_bitmask(torch::Tensor x, torch::Tensor mask);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 // Defined in bf16_gemm.cpp.
 torch::Tensor bf16_gemm_pack(torch::Tensor w);
@@ -265,6 +268,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "new keys and values into their cache slots (-1 skipped)");
   m.def("argmax_rows_exact", &argmax_rows_exact, "greedy argmax with near-ties rescored in float32");
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties)");
+  m.def("argmax_rows_masked", &argmax_rows_masked, "argmax over each row's allowed tokens (packed int32 mask; -1: none)");
+  m.def("argmax_rows_exact_masked", &argmax_rows_exact_masked, "argmax_rows_exact over each row's allowed tokens");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "logits of tokens a row's packed int32 mask disallows to -inf, in place");
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "a bfloat16 [N, K] weight in bf16_gemm's panel layout");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T (+ bias) over a packed bfloat16 weight (AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether this build has the AVX512-BF16 GEMM");

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.bench.gpu_check import Plan, Report, decode_tokens_per_s, prefill_tokens_per_s
+from services.bench.gpu_report import Report
+from services.bench.gpu_workload import Plan, decode_tokens_per_s, prefill_tokens_per_s
 
 
 def _size(n: int) -> str:
@@ -88,4 +89,4 @@ def check_tensor_parallel(report: Report, plan: Plan, device, name: str, hf_cfg:
         same = tokens["eager"] == tokens["CUDA graphs"]
         report.add(section, "greedy tokens: graph replay == eager", "yes" if same else "NO")
         if not same:
-            report.failures.append(f"{section}: graph replay differs from eager")
+            report.fail(f"{section}: graph replay differs from eager")

@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,9 +24,17 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from services import metric_names as M
 from services.bench.serve_client import RequestResult, completion_body, run_session, stream_one
 from services.bench.serve_metrics import SLO, summarize
-from services.bench.serve_workloads import Lengths, ServeRequest, WorkloadSpec, arrival_gaps, make_serve_workload
+from services.bench.serve_workloads import (
+    Lengths,
+    ServeRequest,
+    WorkloadSpec,
+    arrival_gaps,
+    make_serve_workload,
+    mark_structured,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -137,6 +146,34 @@ async def run_load(url: str, model: str, requests: list[ServeRequest], rate: flo
     return results, duration
 
 
+_GUIDED = (M.GUIDED_MASK_SECONDS, M.GUIDED_MASK_STEPS, M.GUIDED_CONSTRAINED_ROWS, M.SAMPLED_ROWS)
+
+
+def guided_counters(url: str) -> dict[str, float] | None:
+    """The structured-output counters a pagedserve server exports (None: another server, or no metrics)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for name in _GUIDED:
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        if m is None:
+            return None
+        found[name] = float(m.group(1))
+    return found
+
+
+def mask_cost(before: dict | None, after: dict | None) -> dict | None:
+    """Mask time per step and the constrained share of sampled rows over one rate's run."""
+    if before is None or after is None or after[M.GUIDED_MASK_STEPS] == before[M.GUIDED_MASK_STEPS]:
+        return None
+    d = {k: after[k] - before[k] for k in _GUIDED}
+    return {"mask_ms_per_step": round(1000 * d[M.GUIDED_MASK_SECONDS] / d[M.GUIDED_MASK_STEPS], 3),
+            "steps_with_masks": int(d[M.GUIDED_MASK_STEPS]),
+            "constrained_share_of_rows": round(d[M.GUIDED_CONSTRAINED_ROWS] / max(1.0, d[M.SAMPLED_ROWS]), 3)}
+
+
 def parse_rates(text: str) -> list[float]:
     return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
 
@@ -167,6 +204,11 @@ def run(args) -> int:
     # Each rate gets its own prompts (same for every system): with one set, every rate after the first
     # would hit the prefix cache the previous rate filled and report prefill-free TTFTs.
     workloads = [make_serve_workload(replace(spec, seed=spec.seed + 1000 * i), vocab) for i in range(len(rates))]
+    if not 0.0 <= args.structured <= 1.0:
+        print("--structured is a share of requests, in [0, 1]", file=sys.stderr)
+        return 2
+    for i, w in enumerate(workloads):
+        mark_structured(w, args.structured, spec.seed + i)
     requests = workloads[0]
     slo = SLO.parse(args.slo)
     log_dir = Path(args.log_dir or ".bench/logs")
@@ -202,10 +244,14 @@ def run(args) -> int:
             asyncio.run(run_load(url, model, warm, math.inf, "poisson", 1.0, None, 0, True, progress=False))
             report["systems"][name] = []
             for rate, requests in zip(rates, workloads, strict=True):
+                before = guided_counters(url)
                 results, duration = asyncio.run(run_load(url, model, requests, rate, args.arrival, args.burstiness,
                                                          args.concurrency, args.seed, not args.no_ignore_eos))
                 summary = summarize(results, duration, slo)
                 summary["rate"] = rate
+                summary["structured"] = mask_cost(before, guided_counters(url))
+                if summary["structured"]:
+                    print(f"  structured: {summary['structured']}", flush=True)
                 report["systems"][name].append(summary)
                 print(_row(name, rate, summary), flush=True)
         finally:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from services.bench.serve_workloads import ServeRequest
+from services.bench.serve_workloads import STRUCTURED_SCHEMA, ServeRequest
 
 
 @dataclass
@@ -93,8 +93,12 @@ async def stream_one(client: httpx.AsyncClient, base_url: str, body: dict, path:
 
 
 def completion_body(model: str, req: ServeRequest, ignore_eos: bool) -> dict:
-    return {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
             "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    if req.structured:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "items", "schema": STRUCTURED_SCHEMA, "strict": True}}
+    return body
 
 
 async def run_session(client: httpx.AsyncClient, base_url: str, model: str, req: ServeRequest, t0: float,

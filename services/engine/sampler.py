@@ -4,6 +4,11 @@ Greedy rows take the argmax; with half-precision logits on the CPU, candidates w
 unit of the maximum are rescored in float32 from the final hidden state (kernels.cpu), so a bfloat16
 tie never decides a greedy token and a greedy request's tokens do not depend on its batch.
 
+Structured output: a row with a token mask (packed int32 words, a bit per token) picks among its
+allowed tokens only. Greedy rows take a masked argmax (the C++ kernels on the CPU: nothing is written
+over the vocabulary); random rows and rows that want logprobs get the disallowed logits set to -inf
+first, so temperature, top-k, top-p and the logprobs all see the constrained distribution.
+
 Random rows apply temperature, top-k and top-p, then draw with the exponential-race trick (argmax of
 p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed draws its noise from a generator
 seeded by (seed, sample index, output index), so a seeded request gives the same tokens whatever else
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from kernels.token_bitmask import apply_token_bitmask, masked_argmax
 from services.sampling_params import MIN_TEMPERATURE
 from services.step_protocol import SamplingSpec, TokenLogprobs
 
@@ -27,6 +33,17 @@ class SampleRow:
     sample_index: int
     output_index: int
     banned: list[int] = field(default_factory=list)  # token ids this row may not pick (min_tokens)
+    bitmask: bytes | None = None  # structured output: the allowed tokens, packed (None: all)
+
+
+def _bitmask(rows: list[SampleRow], device: torch.device) -> torch.Tensor | None:
+    """The rows' masks as int32 [rows, words] (all ones for unconstrained rows), or None when none has one."""
+    size = next((len(r.bitmask) for r in rows if r.bitmask is not None), None)
+    if size is None:
+        return None
+    everything = b"\xff" * size
+    packed = bytearray(b"".join(everything if r.bitmask is None else r.bitmask for r in rows))
+    return torch.frombuffer(packed, dtype=torch.int32).view(len(rows), size // 4).to(device)
 
 
 def _row_seed(seed: int, sample_index: int, output_index: int) -> int:
@@ -56,18 +73,22 @@ class Sampler:
             for i, ids in banned:  # in place: these logits are this step's alone
                 logits[i, torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long,
                                        device=logits.device)] = float("-inf")
+        bitmask = _bitmask(rows, logits.device)
         # Temperatures too small to divide by are greedy (the scheduler already sends them as 0).
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature < MIN_TEMPERATURE]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
         want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
         if len(greedy) == n and not want:  # the common case: no float32 copy of the logits at all
-            return self._greedy(logits, hidden, head_weight).tolist(), [None] * n
+            return self._greedy(logits, hidden, head_weight, bitmask).tolist(), [None] * n
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         if greedy:
             gi = torch.tensor(greedy, device=logits.device)
             rows_hidden = None if hidden is None else hidden.index_select(0, gi)
-            tokens[gi] = self._greedy(logits.index_select(0, gi), rows_hidden, head_weight)
+            tokens[gi] = self._greedy(logits.index_select(0, gi), rows_hidden, head_weight,
+                                      None if bitmask is None else bitmask.index_select(0, gi))
         logits = logits.float()
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)  # rows without a mask are all ones: left as they are
         if rand:
             ri = torch.tensor(rand, device=logits.device)
             tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
@@ -88,8 +109,11 @@ class Sampler:
                 )
         return token_list, logprobs
 
-    def _greedy(self, logits: torch.Tensor, hidden: torch.Tensor | None,
-                head_weight: torch.Tensor | None) -> torch.Tensor:
+    def _greedy(self, logits: torch.Tensor, hidden: torch.Tensor | None, head_weight: torch.Tensor | None,
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        if bitmask is not None:
+            exact = self._exact_argmax is not None
+            return masked_argmax(logits, bitmask, hidden if exact else None, head_weight if exact else None)
         if logits.dtype != torch.float32:
             if self._exact_argmax is not None and hidden is not None and head_weight is not None:
                 return self._exact_argmax(logits.contiguous(), hidden.contiguous(), head_weight)

@@ -25,18 +25,30 @@ import numpy as np
 import torch
 
 from services.engine.sampler import SampleRow
-from services.engine.step_validation import INDEX_LIMIT, MAX_NUM_SAMPLES, StepLimits, find_faults, sampling_ok
+from services.engine.step_validation import (
+    INDEX_LIMIT,
+    MAX_NUM_SAMPLES,
+    StepLimits,
+    bitmask_size,
+    find_faults,
+    sampling_ok,
+)
 from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
 _INT32_FIELDS = ("decode_context_lens", "decode_block_tables", "prefill_query_start_loc",
                  "prefill_context_lens", "prefill_block_tables")
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
+# Every field starts on a 16-byte boundary of the buffer (whose allocation is aligned wider): Triton
+# specializes a kernel on whether each pointer is 16-byte aligned, so fields packed back to back would
+# compile new kernel variants while serving, depending on the batch's shape.
+FIELD_ALIGN = 16
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each field lives in the step buffer: int64 fields first, then int32 (so all are aligned)."""
+    """Where each field lives in the step buffer: int64 fields first, then int32, each starting on a
+    FIELD_ALIGN boundary."""
 
     shapes: dict[str, tuple[int, ...]]
     spans: dict[str, tuple[int, int, torch.dtype]]  # name -> (start byte, end byte, dtype)
@@ -57,7 +69,7 @@ class StepLayout:
             dtype = torch.int64 if name in _INT64_FIELDS else torch.int32
             end = at + math.prod(shapes[name]) * dtype.itemsize
             spans[name] = (at, end, dtype)
-            at = end
+            at = -(-end // FIELD_ALIGN) * FIELD_ALIGN
         return cls(shapes, spans, at)
 
     def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
@@ -165,9 +177,10 @@ class StepInputBuilder:
                   and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
                   and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
             if s.sample is True:
-                banned = s.banned_token_ids
+                banned, mask = s.banned_token_ids, s.token_bitmask
                 ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
-                      and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab)
+                      and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab
+                      and (mask is None or (type(mask) is bytes and len(mask) == bitmask_size(vocab))))
                 if ok and banned:
                     self._ints(banned, INDEX_LIMIT)
             elif s.sample is not False:
@@ -231,7 +244,8 @@ class StepInputBuilder:
             if s.sample:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
-                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids))
+                    rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids,
+                                          s.token_bitmask))
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 

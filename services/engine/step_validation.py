@@ -33,6 +33,11 @@ class StepLimits:
     vocab_size: int
 
 
+def bitmask_size(vocab_size: int) -> int:
+    """Bytes of a packed token mask (services.step_protocol.ScheduledSequence.token_bitmask)."""
+    return 4 * ((vocab_size + 31) // 32)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int)  # Python's rule: a bool is an int
 
@@ -139,6 +144,11 @@ def _sequence_faults(s, limits: StepLimits) -> list[StepFault]:
             why = f"{len(banned)} ids, more than the vocabulary's {limits.vocab_size}"
         if why:
             bad("banned_token_ids", why)
+        mask = s.token_bitmask
+        size = bitmask_size(limits.vocab_size)
+        if mask is not None and (type(mask) is not bytes or len(mask) != size):
+            bad("token_bitmask", f"must be {size} bytes (a bit per token id of the vocabulary of "
+                                 f"{limits.vocab_size}), got {_short(mask) if type(mask) is not bytes else len(mask)}")
     return out
 
 

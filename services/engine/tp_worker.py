@@ -35,6 +35,7 @@ def serve_steps(runner: ModelRunner) -> None:
                 op, step = receiver.next()
                 if op is Op.STEP:
                     runner.run_step(step)
+                    group.wait_device(f"step {served + 1}")
                     served += 1
                 elif op is Op.RESET:
                     runner.reset()

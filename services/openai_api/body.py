@@ -12,7 +12,7 @@ import json
 import re
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from services.openai_api.errors import APIError, validation_error
 from services.openai_api.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -84,11 +84,16 @@ def _encodable(s: str) -> bool:
     return True
 
 
-def parse_request(model_cls: type[_SamplingFields], body: dict) -> _SamplingFields:
+def validated(model_cls: type[BaseModel], body: dict) -> BaseModel:
+    """`body` as a `model_cls`, or a 400 naming the field pydantic found wrong."""
     try:
-        req = model_cls.model_validate(body)
+        return model_cls.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def parse_request(model_cls: type[_SamplingFields], body: dict) -> _SamplingFields:
+    req = validated(model_cls, body)
     reject_unsupported(req)
     return req
 
@@ -131,18 +136,13 @@ def reject_unsupported(req: _SamplingFields) -> None:
 
 
 def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
-    if req.tools or req.functions:
-        raise _refuse("tools" if req.tools else "functions", "tool and function calling")
-    if req.tool_choice not in (None, "none", "auto") or req.function_call not in (None, "none", "auto"):
-        raise _refuse("tool_choice" if req.tool_choice not in (None, "none", "auto") else "function_call",
-                      "forcing a tool call")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _refuse("response_format", f"response_format {req.response_format.type!r} (structured output)")
+    # The deprecated `functions` API: `tools` does the same and is served (services.openai_api.tool_prompt).
+    if req.functions:
+        raise _refuse("functions", "the deprecated functions API (use tools)")
+    if req.function_call not in (None, "none", "auto"):
+        raise _refuse("function_call", "the deprecated function_call (use tool_choice)")
     if req.modalities not in (None, ["text"]):
         raise _refuse("modalities", "output other than text")
     for name in ("audio", "prediction", "web_search_options", "reasoning_effort"):
         if getattr(req, name) is not None:
             raise _refuse(name, name)
-    for i, m in enumerate(req.messages):
-        if m.tool_calls or m.tool_call_id:
-            raise _refuse(f"messages.{i}.{'tool_calls' if m.tool_calls else 'tool_call_id'}", "tool messages")

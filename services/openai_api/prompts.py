@@ -12,6 +12,9 @@ from typing import Protocol
 
 from services.openai_api.errors import APIError
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.structured import structured_outputs_of
+from services.openai_api.tool_grammar import tool_constraint
+from services.openai_api.tool_prompt import CALL_CLOSE, ToolUse, template_messages, tool_use
 from services.sampling_params import InvalidRequestError, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -34,6 +37,7 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    tools: ToolUse | None = None  # the calls the model may make (chat with tools offered)
 
 
 def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
@@ -41,8 +45,10 @@ def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
     if req.prompt_token_ids is not None:
         prompts = [list(req.prompt_token_ids)]
     elif isinstance(req, ChatCompletionRequest):
+        messages, tools = template_messages(req, tokenizer)
         try:
-            prompts = [tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])]
+            kw = {"tools": tools} if tools else {}
+            prompts = [tokenizer.apply_chat_template(messages, **kw)]
         except Exception as exc:  # the template's own raise_exception(), e.g. roles out of order
             raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
                            "messages") from None
@@ -103,7 +109,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt,
             use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
-            early_stopping=req.early_stopping)
+            early_stopping=req.early_stopping, structured_outputs=structured_outputs_of(req))
     except InvalidRequestError as exc:
         name = max_tokens_field if exc.field == "max_tokens" else exc.field
         if is_chat and exc.field == "logprobs":
@@ -119,11 +125,25 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,
             max_model_len: int) -> PreparedRequest:
+    tools = tool_use(req) if isinstance(req, ChatCompletionRequest) else None
     prompts = prompt_token_lists(req, tokenizer)
     _check_vocab_fields(req, tokenizer.vocab_size)
     params = sampling_params(req, max(len(p) for p in prompts), max_model_len)
-    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
-    return PreparedRequest(kind, req.model, prompts, params, req.stream, req.include_usage)
+    if isinstance(req, ChatCompletionRequest) and tools is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"{params.structured_outputs.field_name}: cannot constrain the output while tools "
+                           "may be called (their calls are constrained); use tool_choice \"none\" with it",
+                           params.structured_outputs.field_name)
+        try:
+            params.structured_outputs = tool_constraint(req, tools)
+        except InvalidRequestError as exc:
+            raise APIError.from_invalid(exc) from None
+        if not tools.parallel and CALL_CLOSE not in params.stop_strings:
+            # One call, then the end: the call's closing tag stops generation (the parser needs no tag).
+            params.stop_strings.append(CALL_CLOSE)
+    if isinstance(req, ChatCompletionRequest):
+        return PreparedRequest("chat", req.model, prompts, params, req.stream, req.include_usage, tools)
+    return PreparedRequest("completion", req.model, prompts, params, req.stream, req.include_usage)
 
 
 async def prepare_async(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,

@@ -26,6 +26,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 256  # model, user, cache_salt, message names
+MAX_TOOLS = 128  # OpenAI's limit on functions per request
+MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -44,6 +46,31 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """response_format.json_schema (OpenAI): the schema under `schema`, strict mode under `strict`."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
 
 
 class _SamplingFields(_Strict):
@@ -73,6 +100,15 @@ class _SamplingFields(_Strict):
     use_beam_search: bool = False
     length_penalty: Finite = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    # (at most one of them; services.openai_api.structured reads them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # OpenAI fields with no effect here, accepted at their inert values only (body.reject_unsupported).
     metadata: dict[Name, Annotated[str, Field(max_length=512)]] | None = None
     store: bool | None = None
@@ -99,26 +135,59 @@ class TextPart(_Strict):
     text: str
 
 
+# OpenAI's rule for function names; it also keeps names safe to quote inside a grammar.
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+
+
+class FunctionCallParam(_Strict):
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=1024 * 1024)]  # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Strict):
+    """A call an assistant message of the history made (services.openai_api.tool_prompt renders it)."""
+    id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+    type: Literal["function"]
+    function: FunctionCallParam
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
-    # Tool calls belong to tool use, which this server refuses; named so the refusal is precise.
-    tool_calls: list[Any] | None = None
-    tool_call_id: Name | None = None
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
 
     def as_template_dict(self) -> dict:
-        if isinstance(self.content, list):
-            text = "".join(p.text for p in self.content)
-        else:
-            text = self.content or ""
         # Chat templates know "system", not OpenAI's newer "developer" role.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Annotated[str, Field(max_length=64 * 1024)] | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; checked when its grammar is built
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -126,9 +195,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from services.openai_api.errors import APIError, install_error_handlers
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.responses_protocol import ResponsesRequest
 
 
 def models_body(models: list[tuple[str, int]], created: int = 0) -> dict:
@@ -41,7 +42,8 @@ def _version() -> str:
         return "0"
 
 
-_REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                   "/v1/responses": ResponsesRequest}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -67,9 +69,10 @@ def _openapi(app: FastAPI) -> dict:
 
 def add_openai_routes(app: FastAPI, handler, models: Callable[[Request], Awaitable[dict]],
                       render_metrics: Callable[[], tuple[bytes, str]]) -> None:
-    """`handler` has async completions(request) and chat(request)."""
+    """`handler` has async completions(request), chat(request) and responses(request)."""
     app.add_api_route("/v1/completions", handler.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handler.chat, methods=["POST"])
+    app.add_api_route("/v1/responses", handler.responses, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
 
     async def metrics_route() -> Response:

@@ -1,14 +1,22 @@
 """Redis key layout of the registry, shared by the schedulers that write it and the routers that read it.
 
-    {ns}replicas           SET of replica ids ever registered (stale ids are pruned by readers)
-    {ns}replica:{id}       JSON ReplicaState (identity + load), expires unless heartbeated
-    {ns}blocks:{id}        SET of block hashes (decimal) the replica caches
-    {ns}pending:{id}       ZSET block hash -> expiry (ms): blocks a router just sent there to be computed
+    {ns}replicas            SET of replica ids ever registered (stale ids are pruned by readers)
+    {ns}replica:{id}        JSON ReplicaState (identity + load + index generation), expires unless heartbeated
+    {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block. A stored block
+                            scores +inf; a claim (a router just sent the prompt there) scores its expiry
+
+The prefix index is inverted (block -> holders), so a routing decision reads a few keys of its own prompt,
+never one key per replica. Every command touches one key, and a block's key carries its hash in a hash tag,
+so the layout is legal on Redis Cluster (no CROSSSLOT) and block writes spread over the shards.
+A replica files its blocks under a generation (a random id it takes at each full resync, published in its
+signed record): entries of dead replicas and of superseded generations are ignored by readers, so their
+removal costs no decision anything.
 """
 
 from __future__ import annotations
 
 DEFAULT_NAMESPACE = "pagedserve:"
+STORED = "+inf"  # the score of a stored block: a claim (finite expiry) never overrides it (ZADD GT)
 
 
 def replicas_key(ns: str) -> str:
@@ -19,9 +27,5 @@ def replica_key(ns: str, replica_id: str) -> str:
     return ns + "replica:" + replica_id
 
 
-def blocks_key(ns: str, replica_id: str) -> str:
-    return ns + "blocks:" + replica_id
-
-
-def pending_key(ns: str, replica_id: str) -> str:
-    return ns + "pending:" + replica_id
+def block_key(ns: str, block_hash: int) -> str:
+    return f"{ns}blk:{{{block_hash}}}"

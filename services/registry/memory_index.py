@@ -55,10 +55,13 @@ class MemoryIndex:
             out.append(ReplicaState(state.info, state.load, n))
         return out
 
-    async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
+    async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
         now = time.monotonic()
         pending = self._pending.setdefault(replica_id, {})
         for h in [h for h, exp in pending.items() if exp <= now]:
             del pending[h]
-        for h in block_hashes:
+        for h in block_hashes[held:]:
             pending[h] = now + CLAIM_TTL
+
+    async def close(self) -> None:
+        pass

@@ -30,6 +30,9 @@ class ReplicaInfo:
     max_model_len: int
     capacity: int  # requests it runs at once (max_num_seqs): the scale of its load figures
     hash_seed: int  # root of its block-hash chains (services.block_hash.model_hash_seed of its engine)
+    # The id its blocks are filed under in the prefix index (services.registry.keys): a new random one at
+    # each full resync, so the entries of an old generation, or of a dead replica, simply stop counting.
+    generation: int = 0
 
     @property
     def identity(self) -> ModelIdentity:
@@ -117,7 +120,10 @@ class PrefixIndex(Protocol):
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]: ...
 
-    async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
-        """Mark blocks as about to be cached on a replica, so the next request with this prefix (from
-        any router) follows it before the scheduler has published them."""
+    async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
+        """Mark a prompt's blocks from `held` on (it holds the first `held`) as about to be cached on a
+        replica, so the next request with this prefix (from any router) follows it before the scheduler
+        has published them."""
         ...
+
+    async def close(self) -> None: ...

@@ -73,16 +73,18 @@ class ReplicaPublisher:
         self._absorb(self.source.drain_kv_events())
         load = self.source.load()
         load.cached_blocks = len(self._mirror)
-        now = time.monotonic()
-        if self._load_changed(load) or now - self._last_beat >= self.heartbeat_interval:
-            await self.sink.write_state(ReplicaState(self.info, load), self.ttl)
-            self._last_load, self._last_beat = load, now
+        resynced = self._resync
         if self._resync:
+            # Blocks first, then the record that names their generation (services.registry.keys).
             await self.sink.replace_blocks(self.info.replica_id, set(self._mirror), self.ttl)
             self._resync, self._delta = False, BlockDelta()
         elif self._delta:
             delta, self._delta = self._delta, BlockDelta()
             await self.sink.write_blocks(self.info.replica_id, delta, self.ttl)
+        now = time.monotonic()
+        if resynced or self._load_changed(load) or now - self._last_beat >= self.heartbeat_interval:
+            await self.sink.write_state(ReplicaState(self.info, load), self.ttl)
+            self._last_load, self._last_beat = load, now
 
     def reset_blocks(self) -> None:
         """The engine restarted with an empty KV cache: this replica caches nothing any more."""

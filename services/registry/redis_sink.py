@@ -1,4 +1,9 @@
-"""A scheduler's writes to the Redis registry: its record with a TTL, and its cached-block set.
+"""A scheduler's writes to the Redis registry: its record with a TTL, and its blocks in the inverted index.
+
+Each stored block is one ZADD on that block's key, each eviction one ZREM, sent in one pipeline per
+publish (a cluster client splits it per shard). A full resync takes a new generation: the new entries are
+written first, then the record that names them, so readers switch atomically; the old generation's
+entries are removed afterwards, best effort (readers ignore them anyway).
 
 Every method raises on a Redis failure; the publisher loop decides what an outage means (retry, then
 resync everything once Redis is back), so nothing here hides an error.
@@ -6,42 +11,21 @@ resync everything once Redis is back), so nothing here hides an error.
 
 from __future__ import annotations
 
-from redis.asyncio import BlockingConnectionPool, Redis
+import dataclasses
+import secrets
+
+from redis.asyncio import Redis
 
 from services.registry import keys
 from services.registry.model import BlockDelta, ReplicaState, Signer
+from services.registry.redis_connect import connect, redacted  # noqa: F401  (the registry's client)
 
-_CHUNK = 2000  # hashes per SADD/SREM: keeps single commands small
-
-
-def redacted(redis_url: str) -> str:
-    """The URL with any password replaced, for logs (the password comes from a Kubernetes Secret)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(redis_url)
-    if parts.password is None:
-        return redis_url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+_CHUNK = 4000  # commands per pipeline round trip: keeps single writes small
 
 
-def connect(redis_url: str, max_connections: int = 128) -> Redis:
-    """A client with short timeouts: a dead Redis must cost a routing decision milliseconds, not seconds.
-
-    A blocking pool: a burst of requests waits (briefly) for a connection instead of failing with "too
-    many connections", which would make a router treat a healthy Redis as down.
-    """
-    pool = BlockingConnectionPool.from_url(redis_url, max_connections=max_connections, timeout=0.5,
-                                           socket_timeout=0.5, socket_connect_timeout=0.5, health_check_interval=5)
-    return Redis.from_pool(pool)  # the client owns the pool: closing it closes the connections
-
-
-def _chunks(values: list[str]):
-    for i in range(0, len(values), _CHUNK):
-        yield values[i:i + _CHUNK]
+def new_generation() -> int:
+    """48 random bits: unique across the fleet without a shared counter (which a failover could lose)."""
+    return secrets.randbits(48) or 1
 
 
 class RedisSink:
@@ -49,38 +33,60 @@ class RedisSink:
         self.client = client
         self.ns = namespace
         self.signer = signer  # the internal token: records are signed so routers can trust them
+        self._generation: dict[str, int] = {}  # replica id -> generation its record names
+        self._filed: dict[str, set[int]] = {}  # replica id -> blocks filed under that generation
+        self._stale: tuple[int, set[int]] | None = None  # a replaced generation, dropped once unnamed
 
     async def write_state(self, state: ReplicaState, ttl: float) -> None:
         rid = state.info.replica_id
+        info = dataclasses.replace(state.info, generation=self._generation.get(rid, 0))
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(keys.replica_key(self.ns, rid), state.to_json(self.signer), px=int(ttl * 1000))
+        pipe.set(keys.replica_key(self.ns, rid), ReplicaState(info, state.load).to_json(self.signer),
+                 px=int(ttl * 1000))
         pipe.sadd(keys.replicas_key(self.ns), rid)
-        # The block set outlives a dead replica only as long as its record would have.
-        pipe.pexpire(keys.blocks_key(self.ns, rid), int(ttl * 1000) * 10)
         await pipe.execute()
+        stale, self._stale = self._stale, None
+        if stale:  # the record now names the new generation: the old one's entries can go
+            await self._file(stale[0], (), stale[1])
 
     async def write_blocks(self, replica_id: str, delta: BlockDelta, ttl: float) -> None:
-        key = keys.blocks_key(self.ns, replica_id)
-        pipe = self.client.pipeline(transaction=True)
-        for part in _chunks([str(h) for h in delta.stored]):
-            pipe.sadd(key, *part)
-        for part in _chunks([str(h) for h in delta.removed]):
-            pipe.srem(key, *part)
-        pipe.pexpire(key, int(ttl * 1000) * 10)
-        await pipe.execute()
+        gen = self._generation.get(replica_id)
+        if gen is None:  # nothing filed yet: the first write is a full one
+            await self.replace_blocks(replica_id, set(delta.stored), ttl)
+            return
+        filed = self._filed[replica_id]
+        await self._file(gen, delta.stored, delta.removed)
+        filed |= delta.stored
+        filed -= delta.removed
 
     async def replace_blocks(self, replica_id: str, blocks: set[int], ttl: float) -> None:
-        key = keys.blocks_key(self.ns, replica_id)
-        pipe = self.client.pipeline(transaction=True)  # readers never see a half-written set
-        pipe.delete(key, keys.pending_key(self.ns, replica_id))
-        for part in _chunks([str(h) for h in blocks]):
-            pipe.sadd(key, *part)
-        pipe.pexpire(key, int(ttl * 1000) * 10)
-        await pipe.execute()
+        old_gen, old = self._generation.get(replica_id), self._filed.get(replica_id, set())
+        gen = new_generation()
+        await self._file(gen, blocks, ())
+        self._generation[replica_id], self._filed[replica_id] = gen, set(blocks)
+        # Routers keep matching the old generation until the record names the new one (the publisher
+        # writes it right after a resync); write_state then drops the old entries.
+        if old_gen is not None:
+            self._stale = (old_gen, old)
 
     async def remove_replica(self, replica_id: str) -> None:
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.client.pipeline(transaction=False)
         pipe.srem(keys.replicas_key(self.ns), replica_id)
-        pipe.delete(keys.replica_key(self.ns, replica_id), keys.blocks_key(self.ns, replica_id),
-                    keys.pending_key(self.ns, replica_id))
+        pipe.delete(keys.replica_key(self.ns, replica_id))
         await pipe.execute()
+        gen = self._generation.pop(replica_id, None)
+        if gen is not None:
+            await self._file(gen, (), self._filed.pop(replica_id, set()))
+
+    async def _file(self, gen: int, stored, removed) -> None:
+        member = str(gen)
+        ops = [(True, h) for h in stored] + [(False, h) for h in removed]
+        for i in range(0, len(ops), _CHUNK):
+            pipe = self.client.pipeline(transaction=False)
+            for add, h in ops[i:i + _CHUNK]:
+                key = keys.block_key(self.ns, h)
+                if add:
+                    pipe.zadd(key, {member: keys.STORED})
+                else:
+                    pipe.zrem(key, member)
+            await pipe.execute()

@@ -36,6 +36,15 @@ class _StatsCollector:
             (M.PREEMPTIONS, "requests preempted for lack of KV blocks", s.num_preemptions),
             (M.PROMPT_TOKENS, "prompt tokens received", s.prompt_tokens),
             (M.GENERATION_TOKENS, "tokens generated", s.generation_tokens),
+            (M.GUIDED_COMPILES, "structured-output grammars compiled", s.guided.compiles),
+            (M.GUIDED_COMPILE_SECONDS, "time spent compiling them", s.guided.compile_seconds),
+            (M.GUIDED_CACHE_HITS, "constraints served from the compiled-grammar cache", s.guided.cache_hits),
+            (M.GUIDED_COMPILE_FAILURES, "constraints refused: do not compile or exceed a limit",
+             s.guided.compile_failures),
+            (M.GUIDED_MASK_STEPS, "steps with at least one constrained row", s.guided.mask_steps),
+            (M.GUIDED_MASK_SECONDS, "time spent computing their token masks", s.guided.mask_seconds),
+            (M.GUIDED_CONSTRAINED_ROWS, "sampled rows constrained by a token mask", s.guided.constrained_rows),
+            (M.SAMPLED_ROWS, "rows sampled", s.guided.sampled_rows),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

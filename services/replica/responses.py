@@ -51,16 +51,27 @@ def chat_logprobs(entries: list[TokenLogprobs], token_ids: list[int], text: Toke
 
 
 def choice(kind: str, index: int, text_delta: str, reason: str | None, logprobs: dict | None,
-           first: bool = False, stream: bool = False) -> dict:
+           first: bool = False, stream: bool = False, tool_calls: list[dict] | None = None) -> dict:
+    """One choice of a response or a stream chunk. `tool_calls` (chat): whole calls in a response, one
+    call's delta in a chunk; a message with calls and no text has content null, as OpenAI's."""
     if kind == "completion":
         return {"index": index, "text": text_delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     if stream:
-        delta = {"role": "assistant", "content": text_delta} if first else {"content": text_delta}
-        if reason is not None and not text_delta and not first:
+        delta: dict = {"role": "assistant", "content": text_delta} if first else {"content": text_delta}
+        if tool_calls:
+            if not text_delta:
+                delta["content"] = None
+                if not first:
+                    del delta["content"]
+            delta["tool_calls"] = tool_calls
+        elif not text_delta and not first:
             delta = {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-    return {"index": index, "message": {"role": "assistant", "content": text_delta}, "logprobs": logprobs,
-            "finish_reason": finish_reason(reason)}
+    message: dict = {"role": "assistant", "content": text_delta}
+    if tool_calls:
+        message["content"] = text_delta or None
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
 def envelope(kind: str, request_id: str, model: str, created: int, choices: list[dict], stream: bool,

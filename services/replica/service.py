@@ -62,7 +62,7 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
     model_name = settings.served_model_name or core.info.model_id
     metrics = SchedulerMetrics(replica.stats)
     serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes,
-                                                              settings.internal_token), metrics)
+                                                              settings.internal_token), metrics, core.grammars)
 
     def health() -> dict:
         stats = replica.stats()

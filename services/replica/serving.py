@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,9 +26,11 @@ from services.openai_api.routes import check_model
 from services.openai_api.streams import ClientGone, merge, until_disconnect
 from services.replica.accumulator import ResponseAccumulator
 from services.replica.metrics import RequestTimer, SchedulerMetrics
+from services.replica.responses_endpoint import ResponsesEndpoint
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler.async_scheduler import Admission, QueueFullError
 from services.scheduler.request_output import RequestOutput
+from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +72,23 @@ def engine_error(acc: ResponseAccumulator) -> APIError:
 
 class OpenAIServing:
     def __init__(self, backend: ReplicaBackend, tokenizer, config: ServingConfig,
-                 metrics: SchedulerMetrics | None = None):
+                 metrics: SchedulerMetrics | None = None, grammars: GrammarCompiler | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
+        self._responses = ResponsesEndpoint(self)
+        # The scheduler core's own compiler: compiling here, before admission, fills the cache it reads.
+        self.grammars = grammars
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "cmpl-")
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, "chatcmpl-")
+
+    async def responses(self, request: Request) -> Response:
+        return await self._responses.responses(request)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -98,6 +106,16 @@ class OpenAIServing:
         req = parse_request(model_cls, body)
         check_model(req.model, self.config.model_name)
         prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
+        return await self.serve_prepared(request, prepared, id_prefix, ChatFormat)
+
+    async def serve_prepared(self, request: Request, prepared: PreparedRequest, id_prefix: str,
+                             make_format: Callable[[ResponseAccumulator], ResponseFormat]) -> Response:
+        """Run a validated request and answer it in the format `make_format` builds over its accumulator."""
+        if self.grammars is not None and prepared.params.structured_outputs is not None:
+            try:
+                await self.grammars.compile_async(prepared.params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise APIError.from_invalid(exc) from None
         if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         try:
@@ -108,13 +126,14 @@ class OpenAIServing:
         request_id = id_prefix + uuid.uuid4().hex
         acc = ResponseAccumulator(prepared.kind, request_id, prepared.model, prepared.params.n,
                                   [len(p) for p in prepared.prompts], self.token_text,
-                                  prepared.params.logprobs is not None, prepared.include_usage)
+                                  prepared.params.logprobs is not None, prepared.include_usage, prepared.tools)
+        fmt = make_format(acc)
         run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics), admission)
         try:
             if prepared.stream:
-                return await self._stream(request, run, acc)  # the stream closes the run when it ends
+                return await self._stream(request, run, acc, fmt)  # the stream closes the run when it ends
             try:
-                return await self._whole(request, run, acc)
+                return await self._whole(request, run, acc, fmt)
             finally:
                 run.close()
         except ClientGone:
@@ -127,19 +146,19 @@ class OpenAIServing:
             run.close()
             raise
 
-    async def _whole(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
+    async def _whole(self, request: Request, run: _Run, acc: ResponseAccumulator, fmt: ResponseFormat) -> Response:
         async def collect() -> None:
             async for idx, out in run.outputs():
-                acc.update(idx, out)
+                fmt.absorb(acc.update(idx, out))
                 run.timer.tokens_now(max(len(c.token_ids) for c in acc.choices))
 
         await until_disconnect(collect(), request)
         run.timer.finished()
         if acc.error:
             raise engine_error(acc)
-        return JSONResponse(acc.response())
+        return JSONResponse(fmt.whole())
 
-    async def _stream(self, request: Request, run: _Run, acc: ResponseAccumulator) -> Response:
+    async def _stream(self, request: Request, run: _Run, acc: ResponseAccumulator, fmt: ResponseFormat) -> Response:
         outputs = run.outputs()
         # Wait for the first output before sending headers: errors until then are a proper status code.
         first = await until_disconnect(anext(outputs), request)
@@ -149,26 +168,69 @@ class OpenAIServing:
 
         async def events() -> AsyncIterator[str]:
             try:
-                if first_choices:
-                    yield sse(acc.chunk(first_choices))
+                for event in fmt.opening() + fmt.chunks(first_choices):
+                    yield event
                 async for idx, out in outputs:
                     choices = acc.update(idx, out)
                     run.timer.tokens_now(max(len(c.token_ids) for c in acc.choices))
                     if acc.error:
                         log.warning("request %s failed mid-stream: %s", acc.request_id, acc.error)
-                        yield sse(engine_error(acc).body())
+                        for event in fmt.failed(engine_error(acc)):
+                            yield event
                         return
-                    if choices:
-                        yield sse(acc.chunk(choices))
+                    for event in fmt.chunks(choices):
+                        yield event
                 run.timer.finished()
-                if acc.include_usage:
-                    yield sse(acc.usage_chunk())
-                yield "data: [DONE]\n\n"
+                for event in fmt.closing():
+                    yield event
             finally:
                 run.close()  # aborts what is unfinished (a client that left) and frees its queue room
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class ResponseFormat(Protocol):
+    """How a request's output is written: stream events (SSE text) and the whole response."""
+
+    def opening(self) -> list[str]: ...
+
+    def chunks(self, choices: list[dict]) -> list[str]: ...
+
+    def absorb(self, choices: list[dict]) -> None:
+        """What a non-streamed request does with an update's choices (the accumulator keeps the rest)."""
+        ...
+
+    def failed(self, err: APIError) -> list[str]: ...
+
+    def closing(self) -> list[str]: ...
+
+    def whole(self) -> dict: ...
+
+
+class ChatFormat:
+    """Completions and chat completions: `data:` chunks, usage, `[DONE]`."""
+
+    def __init__(self, acc: ResponseAccumulator):
+        self.acc = acc
+
+    def opening(self) -> list[str]:
+        return []
+
+    def chunks(self, choices: list[dict]) -> list[str]:
+        return [sse(c) for c in self.acc.chunks(choices)]
+
+    def absorb(self, choices: list[dict]) -> None:
+        pass
+
+    def failed(self, err: APIError) -> list[str]:
+        return [sse(err.body())]
+
+    def closing(self) -> list[str]:
+        return ([sse(self.acc.usage_chunk())] if self.acc.include_usage else []) + ["data: [DONE]\n\n"]
+
+    def whole(self) -> dict:
+        return self.acc.response()
 
 
 class _Run:

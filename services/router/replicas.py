@@ -127,11 +127,11 @@ class ReplicaView:
     def _fallback(self) -> list[ReplicaState]:
         return [ReplicaState(s.info, s.load, 0) for s in self._last]
 
-    async def claim(self, replica_id: str, block_hashes: list[int]) -> None:
+    async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
         if self._index_down:
             return
         try:
-            await self.index.claim(replica_id, block_hashes)
+            await self.index.claim(replica_id, block_hashes, held)
         except Exception as exc:  # a lost claim only costs one possible cache miss
             log.debug("prefix claim failed: %s", exc)
 

@@ -22,6 +22,12 @@ from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from services.openai_api.responses_protocol import (
+    ResponsesRequest,
+    parse_responses_request,
+    responses_error,
+    to_chat,
+)
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
@@ -29,6 +35,8 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
+from services.sampling_params import InvalidRequestError
+from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +76,18 @@ class RouterService:
         self.admission = Admission(config.max_queue, self.metrics, config.cold_start_timeout)
         self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
+        # Constraints compile here too (on the compiler's threads, cached), so one that never can is a 400
+        # before it costs a replica anything; the replica compiles it again with the model's vocabulary.
+        self.grammars = GrammarCompiler(lambda: tokenizer.fast.to_str(), tokenizer.vocab_size)
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(self._route(request, CompletionRequest, "/v1/completions"))
 
     async def chat(self, request: Request) -> Response:
         return await self._counted(self._route(request, ChatCompletionRequest, "/v1/chat/completions"))
+
+    async def responses(self, request: Request) -> Response:
+        return await self._counted(self._route(request, ResponsesRequest, "/v1/responses"))
 
     async def _counted(self, handling) -> Response:
         """Count what the router answers itself; forwarded answers are counted by the proxy."""
@@ -90,14 +104,21 @@ class RouterService:
         arrived = time.monotonic()
         key = self.keys.check(request.headers.get("authorization"))
         body = await read_json_body(request, self.config.max_body_bytes)
-        req = parse_request(model_cls, body)
+        req = parse_responses_request(body) if model_cls is ResponsesRequest else parse_request(model_cls, body)
         if self.config.cache_isolation == "per-key" and key is not None:
             # The key's own salt, before any the client chose: one key can never match another's blocks.
             req.cache_salt = body["cache_salt"] = key_salt(key, req.cache_salt)
         # With no replica registered yet (scale from zero) the model's identity is unknown: hold here.
         identity, max_model_len = await self.admission.admit(lambda: self.view.identity(req.model),
                                                              self.config.request_timeout, arrived)
-        prepared = await prepare_async(req, self.tokenizer, max_model_len)
+        if isinstance(req, ResponsesRequest):  # validated and routed as the chat request it becomes
+            chat, where = to_chat(req)
+            try:
+                prepared = await self._prepare(chat, max_model_len)
+            except APIError as err:
+                raise responses_error(err, where) from None
+        else:
+            prepared = await self._prepare(req, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
@@ -110,8 +131,18 @@ class RouterService:
         self.metrics.decisions.labels(self.policy.name, chosen.info.replica_id).inc()
         self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
         if chosen.matched_blocks < len(route.block_hashes):
-            self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes))
+            self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes, chosen.matched_blocks))
         return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
+
+    async def _prepare(self, req, max_model_len: int):
+        """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""
+        prepared = await prepare_async(req, self.tokenizer, max_model_len)
+        if prepared.params.structured_outputs is not None:
+            try:
+                await self.grammars.compile_async(prepared.params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise APIError.from_invalid(exc) from None
+        return prepared
 
     async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:
         replicas = [r for r in await self.view.snapshot(route.block_hashes) if r.info.identity == identity]
@@ -136,3 +167,7 @@ class RouterService:
 
     async def close(self) -> None:
         await self.proxy.close()
+        self.grammars.close()
+        close_index = getattr(self.view.index, "close", None)
+        if close_index is not None:
+            await close_index()

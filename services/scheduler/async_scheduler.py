@@ -82,10 +82,15 @@ class AsyncScheduler:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         self.core.validate(prompt_token_ids, params)  # fail fast, before anything is queued
+        grammar = None
+        if params.structured_outputs is not None:  # compiled on the compiler's threads, never the step loop's
+            grammar = await self.core.grammars.compile_async(params.structured_outputs)
+            if request_id in self._streams:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
-        self._ops.append(("add", request_id, list(prompt_token_ids), params))
+        self._ops.append(("add", request_id, list(prompt_token_ids), params, grammar))
         self._wake.set()
         finished = False
         try:
@@ -153,11 +158,11 @@ class AsyncScheduler:
         while self._ops:
             op = self._ops.popleft()
             if op[0] == "add":
-                _, rid, prompt, params = op
+                _, rid, prompt, params, grammar = op
                 if rid not in self._streams:
                     continue  # cancelled before it was queued in the core
                 try:
-                    core.add_request(rid, prompt, params, stream=True, validated=True)
+                    core.add_request(rid, prompt, params, stream=True, validated=True, grammar=grammar)
                 except InvalidRequestError as e:
                     self._deliver([(rid, e)])
                 except Exception as e:  # never let one bad request stop the loop

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +21,7 @@ from services.scheduler.block_pool import BlockPool, KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request_output import CompletionOutput, RequestOutput, SchedulerStats
+from services.scheduler.request_output import CompletionOutput, GuidedStats, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.step_isolation import execute_isolating
@@ -31,6 +32,8 @@ from services.step_protocol import (
     ScheduledSequence,
     SchedulerOutput,
 )
+from services.structured_output.compiler import CompiledGrammar, GrammarCompiler
+from services.structured_output.guide import bitmask_bytes, compute_bitmasks
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,15 @@ class SchedulerCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_output: SchedulerOutput | None = None
+        # Structured output: grammars compile on the compiler's threads (read the tokenizer on first use);
+        # each constrained row's mask is computed here, between steps, from its committed tokens.
+        self.grammars = GrammarCompiler(lambda: tokenizer.fast.to_str(), self.info.vocab_size,
+                                        self.info.eos_token_ids)
+        self._mask_bytes = bitmask_bytes(self.info.vocab_size)
+        self.mask_seconds = 0.0  # spent computing masks, over every step that had a constrained row
+        self.mask_steps = 0
+        self.constrained_rows = 0
+        self.sampled_rows = 0
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -109,13 +121,18 @@ class SchedulerCore:
                                          self.scheduler.config.max_num_seqs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool = False, validated: bool = False) -> None:
-        """Queue a request; `validated` when the caller already ran `validate` on it."""
+                    stream: bool = False, validated: bool = False, grammar: CompiledGrammar | None = None) -> None:
+        """Queue a request; `validated` when the caller already ran `validate` on it; `grammar`: its
+        structured_outputs compiled (else compiled here, blocking: callers with a step loop compile first)."""
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not validated:
             self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
+        if grammar is not None:
+            req.guide = grammar.new_guide()
         if params.cache_salt:
             req.hash_root = salted_seed(self.hash_seed, params.cache_salt)
         if params.min_tokens:
@@ -176,6 +193,8 @@ class SchedulerCore:
             changed[req.request_id] = self.groups[req.request_id]
         sched.rejected.clear()
         if out.sequences:
+            self._constrain(out, changed)
+        if out.sequences:
             # A failure tied to some sequences fails only their requests; EngineUnavailableError (the
             # engine itself is gone) propagates, and the caller fails everything.
             step = execute_isolating(self.executor, out, self._canary_ok)
@@ -190,6 +209,37 @@ class SchedulerCore:
             elif group.stream:
                 outputs.append(self._make_output(group))
         return outputs
+
+    def _constrain(self, out: SchedulerOutput, changed: dict[str, _Group]) -> None:
+        """Attach each constrained row's token mask. A guide that fails here (past its fuel limit) fails its
+        request, and its sequence leaves the step before the engine sees it."""
+        sched = self.scheduler
+        rows = constrained = 0
+        wanted: list[tuple[Sequence, ScheduledSequence]] = []
+        for (req, _), s in zip(sched.last_scheduled, out.sequences, strict=True):
+            if s.sample:
+                rows += s.num_samples
+                if req.guide is not None:
+                    constrained += s.num_samples
+                    wanted.append((req, s))
+        self.sampled_rows += rows
+        if not wanted:
+            return
+        start = time.perf_counter()
+        masks = compute_bitmasks([req.guide for req, _ in wanted], self._mask_bytes)
+        self.constrained_rows += constrained
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_steps += 1
+        dead = []
+        for (req, s), mask in zip(wanted, masks, strict=True):
+            s.token_bitmask = mask
+            if req.guide.error is not None:
+                dead.append(req)
+        for req in dead:
+            self._fail_group(self.groups[req.request_id], f"structured output: {req.guide.error}", changed)
+        if dead:
+            gone = {req.seq_id for req in dead}
+            out.sequences = [s for s in out.sequences if s.seq_id not in gone]  # _apply skips them: finished
 
     def _canary_ok(self) -> bool:
         """Does the engine still compute? One token in a spare block, greedy: a step nothing can be wrong with."""
@@ -211,11 +261,14 @@ class SchedulerCore:
 
     def _fail_request_of(self, seq_id: str, why: str, changed: dict[str, _Group]) -> None:
         seq = next(s for s, _ in self.scheduler.last_scheduled if s.seq_id == seq_id)
-        group = self.groups[seq.request_id]
+        self._fail_group(self.groups[seq.request_id], f"the engine failed on this request: {why}", changed)
+
+    def _fail_group(self, group: _Group, why: str, changed: dict[str, _Group]) -> None:
+        """End every sample of a request with an error of its own (the rest of the batch carries on)."""
         for s in group.seqs:
             if s is not None:
                 self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
-        group.error = f"the engine failed on this request: {why}"
+        group.error = why
         changed[group.request_id] = group
 
     def _apply(self, result: ModelRunnerOutput, changed: dict[str, _Group]) -> None:
@@ -232,6 +285,7 @@ class SchedulerCore:
             if tokens is None:
                 continue
             group = self.groups[req.request_id]
+            changed[req.request_id] = group
             lps = logprobs.get(req.seq_id)
             if group.beam is not None:
                 req.beam_candidates = lps[0]
@@ -247,8 +301,8 @@ class SchedulerCore:
                         self._attach_detokenizer(child, replay=False)
                     self._on_token(child, tokens[j], lps[j] if lps else None, first_append_done=True)
             req.forked = True
-            self._on_token(req, tokens[0], lps[0] if lps else None)
-            changed[req.request_id] = group
+            if not req.is_finished:  # a forked sample's grammar may have failed the request
+                self._on_token(req, tokens[0], lps[0] if lps else None)
         for group in beams.values():
             if beam_requests.ready(group.seqs):
                 group.num_cached_tokens = max([group.num_cached_tokens] + [s.num_cached_tokens for s in group.seqs])
@@ -261,6 +315,16 @@ class SchedulerCore:
         return parent.branch(group.next_beam_index - 1, next(self._arrival))
 
     def _on_token(self, req: Sequence, token: int, lp, first_append_done: bool = False) -> None:
+        guide = req.guide
+        if guide is not None and not guide.accept(token):
+            # The mask allowed nothing this token could be (e.g. min_tokens banned the only way to end):
+            # the request ends with the reason, never with text the grammar refuses.
+            if first_append_done:
+                req.token_ids.pop()
+            group = self.groups[req.request_id]
+            why = guide.error or f"token {token} is not allowed by the grammar"
+            self._fail_group(group, f"structured output: no allowed continuation: {why}", {})
+            return
         if not first_append_done:
             req.token_ids.append(token)
         if lp is not None and req.logprobs is not None:
@@ -277,6 +341,8 @@ class SchedulerCore:
                 status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             elif stop_str is not None:
                 status, req.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
+        if status is None and guide is not None and guide.done:
+            status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete: nothing more may follow
         if status is None and ((params.max_tokens is not None and n_out >= params.max_tokens)
                                or req.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
@@ -324,7 +390,10 @@ class SchedulerCore:
             num_waiting=len(sched.waiting), num_running=len(sched.running), kv_usage=self.pool.usage(),
             num_kv_blocks=self.pool.num_blocks, prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits, num_preemptions=sched.num_preemptions,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            guided=GuidedStats(self.grammars.stats.compiles, self.grammars.stats.compile_seconds,
+                               self.grammars.stats.cache_hits, self.grammars.stats.failures, self.mask_steps,
+                               self.mask_seconds, self.constrained_rows, self.sampled_rows))
 
     def _record_event(self, event: KVEvent) -> None:
         self._events.append(event)

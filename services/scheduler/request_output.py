@@ -32,6 +32,20 @@ class RequestOutput:
 
 
 @dataclass
+class GuidedStats:
+    """Structured output since start: compiles, the grammar cache, mask time, and constrained rows."""
+
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    cache_hits: int = 0
+    compile_failures: int = 0
+    mask_steps: int = 0  # steps with at least one constrained row
+    mask_seconds: float = 0.0  # spent computing their masks
+    constrained_rows: int = 0  # sampled rows that carried a mask
+    sampled_rows: int = 0  # every sampled row
+
+
+@dataclass
 class SchedulerStats:
     num_waiting: int
     num_running: int
@@ -42,3 +56,4 @@ class SchedulerStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    guided: GuidedStats = field(default_factory=GuidedStats)

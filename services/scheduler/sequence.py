@@ -43,7 +43,7 @@ class Sequence:
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
-                 "hash_root", "cum_logprob", "beam_candidates", "beam_group")
+                 "hash_root", "guide", "cum_logprob", "beam_candidates", "beam_group")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -73,6 +73,7 @@ class Sequence:
         self.cum_logprob = 0.0
         self.beam_candidates = None
         self.beam_group: list[Sequence] | None = None
+        self.guide = None  # structured output: a SequenceGuide, advanced on each committed token (set by the core)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +108,8 @@ class Sequence:
         child.forked = True
         child.min_tokens_banned = self.min_tokens_banned
         child.hash_root = self.hash_root
+        # The parent's guide has not advanced past the prompt yet: the child starts from the same state.
+        child.guide = self.guide.clone() if self.guide is not None else None
         child.status = SequenceStatus.RUNNING
         return child
 

@@ -92,7 +92,7 @@ def serve_url(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("workload,extra", [
-    ("random", ["--input-len", "8-64", "--output-len", "4-12"]),
+    ("random", ["--input-len", "8-64", "--output-len", "4-12", "--structured", "0.5"]),
     ("shared-prefix", ["--prefix-len", "64", "--groups", "2", "--input-len", "8", "--output-len", "6"]),
     ("multi-turn", ["--turns", "3", "--input-len", "6-10", "--output-len", "5", "--arrival", "gamma",
                     "--burstiness", "0.5"]),
@@ -115,6 +115,8 @@ def test_bench_serve_against_an_endpoint(serve_url, tmp_path, workload, extra):
     assert plot.stat().st_size > 10_000
     if workload == "random":  # every rate gets its own prompts, so no rate is served from the last one's cache
         assert runs[0]["total_prompt_tokens"] != runs[1]["total_prompt_tokens"]
+        for r in runs:  # about half the requests constrained: their masks were computed and timed
+            assert r["structured"]["mask_ms_per_step"] > 0 and 0 < r["structured"]["constrained_share_of_rows"] < 1
 
 
 def test_bench_serve_starts_and_stops_the_servers_it_measures(tiny_llama_dir, tmp_path):

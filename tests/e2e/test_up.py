@@ -72,3 +72,30 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_with_a_redis_cluster_serves_through_it(tiny_llama_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "1", "--redis-cluster", "3",
+                             "--port", str(port), "--host", "127.0.0.1", "--model", str(tiny_llama_dir),
+                             "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline()
+        assert "pagedserve up: 1 replicas" in banner and "cluster=true" in banner and "***" in banner, banner
+        children = _descendants(proc.pid)
+        assert len(children) >= 9  # 6 redis nodes (3 primaries, 3 replicas), an engine, a scheduler, a router
+        body = {"model": Path(tiny_llama_dir).name, "prompt": "hello " * 40, "max_tokens": 3}
+        for _ in range(2):  # the second finds the first's blocks through the cluster's index
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json=body)
+            assert r.status_code == 200 and r.headers["x-pagedserve-replica"] == "replica-0"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children):
+            assert time.monotonic() < deadline, "a child of pagedserve up outlived it"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

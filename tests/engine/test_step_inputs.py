@@ -101,6 +101,8 @@ BAD = [
     ("sampling.logprobs", -1, "sampling.logprobs"), ("seq_id", 5, "seq_id"),
     ("banned_token_ids", [2, -1], "banned_token_ids"), ("banned_token_ids", [2.0], "banned_token_ids"),
     ("banned_token_ids", None, "banned_token_ids"), ("banned_token_ids", list(range(1001)), "banned_token_ids"),
+    ("token_bitmask", b"\xff" * 127, "token_bitmask"), ("token_bitmask", b"\xff" * 132, "token_bitmask"),
+    ("token_bitmask", "\xff" * 128, "token_bitmask"), ("token_bitmask", [-1] * 32, "token_bitmask"),
 ]
 
 
@@ -156,7 +158,7 @@ HOSTILE = st.sampled_from([
 FIELDS = st.sampled_from(["token_ids[0]", "block_table[0]", "start_pos", "sample", "num_samples", "sample_index",
                           "output_index", "sampling.temperature", "sampling.top_p", "sampling.top_k",
                           "sampling.seed", "sampling.logprobs", "token_ids", "block_table", "seq_id",
-                          "banned_token_ids"])
+                          "banned_token_ids", "token_bitmask"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

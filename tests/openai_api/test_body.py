@@ -11,7 +11,8 @@ from services.openai_api.body import parse_json_object, parse_request
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from tests.openai_api.hostile_bodies import MODEL, bodies, serialise
+from services.openai_api.responses_protocol import parse_responses_request, responses_error, to_chat
+from tests.openai_api.hostile_bodies import MODEL, bodies, responses_bodies, serialise
 
 MAX_LEN = 2048
 
@@ -46,6 +47,24 @@ def test_any_body_is_prepared_or_a_4xx_naming_a_field(case):
     assert p.seed is None or -(2**63) <= p.seed < 2**63
     assert all(0 <= t < FakeTokenizer.vocab_size for prompt in prepared.prompts for t in prompt)
     assert p.top_k <= FakeTokenizer.vocab_size and p.max_tokens + max(map(len, prepared.prompts)) <= MAX_LEN
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(responses_bodies())
+def test_any_responses_body_is_prepared_or_a_4xx_naming_a_field(case):
+    _, body = case
+    try:
+        req = parse_responses_request(parse_json_object(serialise(body)))
+        if req.model != MODEL:
+            return
+        chat, where = to_chat(req)
+        try:
+            prepare(chat, FakeTokenizer(), MAX_LEN)
+        except APIError as err:
+            raise responses_error(err, where) from None
+    except APIError as exc:
+        assert 400 <= exc.status < 500 and exc.message
+        assert not (exc.param or "").startswith(("messages", "max_completion_tokens", "response_format")), exc.param
 
 
 @pytest.mark.parametrize("raw", [b"[" * 200_000, b"{\"a\":" * 100_000 + b"1" + b"}" * 100_000,

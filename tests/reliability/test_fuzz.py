@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.ports import free_port
-from tests.openai_api.hostile_bodies import bodies, serialise
+from tests.openai_api.hostile_bodies import bodies, responses_bodies, serialise
 
 pytestmark = pytest.mark.reliability
 
@@ -67,10 +67,11 @@ def fuzz(url: str, model: str, examples: int) -> dict:
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-    @given(case=bodies(model), raw=st.one_of(st.none(), st.none(), st.none(), st.sampled_from(RAW_HOSTILE)))
+    @given(case=st.one_of(bodies(model), bodies(model), responses_bodies(model)),
+           raw=st.one_of(st.none(), st.none(), st.none(), st.sampled_from(RAW_HOSTILE)))
     def one(case, raw):
         chat, body = case
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        path = "/v1/responses" if chat == "responses" else "/v1/chat/completions" if chat else "/v1/completions"
         payload = raw if raw is not None else serialise(body)
         try:
             r = client.post(url + path, content=payload, headers={"content-type": "application/json"})

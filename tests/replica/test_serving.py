@@ -17,6 +17,7 @@ from services.sampling_params import InvalidRequestError
 from services.scheduler.async_scheduler import QueueFullError
 from services.scheduler.request_output import CompletionOutput, RequestOutput
 from services.step_protocol import TokenLogprobs
+from services.structured_output.compiler import GrammarCompiler
 from tests.conftest import AppServer
 
 MODEL = "tiny"
@@ -74,8 +75,9 @@ class ScriptedEngine:
 @pytest.fixture
 def api(smol_tokenizer):
     engine = ScriptedEngine(smol_tokenizer)
+    grammars = GrammarCompiler(lambda: smol_tokenizer.fast.to_str(), smol_tokenizer.vocab_size)
     serving = OpenAIServing(engine, smol_tokenizer, ServingConfig(MODEL, MAX_LEN, max_body_bytes=1 << 20),
-                            SchedulerMetrics(lambda: None))
+                            SchedulerMetrics(lambda: None), grammars)
     app = create_replica_app(serving, SchedulerMetrics(lambda: None), lambda: {"healthy": engine.healthy})
     with AppServer(app) as server:
         yield engine, server.url
@@ -113,6 +115,17 @@ def test_openai_client_completions_chat_stream_n_logprobs_usage(api):
     assert client.models.list().data[0].id == MODEL
 
 
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_MISTAKES = [
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [F, F]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+]
 BAD_REQUESTS = [
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b"[1, 2]", 400, None),
@@ -156,10 +169,18 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    *[("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}, 400, param)
+      for extra, param in TOOL_MISTAKES],
+    ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_nope", "content": "42"}]},
+     400, "messages.1.tool_call_id"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema.schema"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_grammar": "start: nowhere"}, 400, "guided_grammar"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "guided_choice"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "((a{100}){100}){100}"}},
+     400, "structured_outputs.regex"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x", "extra": 1}]},
      400, "messages.0.extra"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
@@ -184,7 +205,7 @@ ACCEPTED_EXTREMES = [
     {"temperature": 1e-320}, {"temperature": 1e-6}, {"temperature": 1e300}, {"top_p": 1e-50}, {"top_k": 49152},
     {"seed": -(2**63)}, {"seed": 2**63 - 1}, {"response_format": {"type": "text"}}, {"tool_choice": "none"},
     {"stream_options": {"include_usage": True}, "stream": True}, {"include_stop_str_in_output": True},
-    {"cache_salt": "tenant-a"}, {"user": "u1", "metadata": {"k": "v"}},
+    {"cache_salt": "tenant-a"}, {"user": "u1", "metadata": {"k": "v"}}, {"response_format": {"type": "json_object"}},
 ]
 
 

@@ -47,6 +47,7 @@ def replica_app(name: str, seen: list, headers: list) -> FastAPI:
 
     app.post("/v1/completions")(answer)
     app.post("/v1/chat/completions")(answer)
+    app.post("/v1/responses")(answer)
     return app
 
 
@@ -61,6 +62,9 @@ class FakeReplicas:
         self.apps = {n: replica_app(n, self.seen[n], self.headers) for n in names}
         self.servers = {n: AppServer(self.apps[n]) for n in names}
         self.capacity = capacity
+        self.sink = RedisSink(None, signer=signer)  # one writer: it remembers each replica's index generation
+        self.loads: dict[str, ReplicaLoad] = {}
+        self.urls: dict[str, str | None] = {}
 
     def __enter__(self) -> FakeReplicas:
         for s in self.servers.values():
@@ -79,19 +83,25 @@ class FakeReplicas:
 
     def _run(self, fn) -> None:
         async def go():
-            client = connect(self.redis_url)
+            self.sink.client = connect(self.redis_url)  # a client per event loop
             try:
-                await fn(RedisSink(client, signer=self.signer))
+                await fn(self.sink)
             finally:
-                await client.aclose()
+                await self.sink.client.aclose()
 
         asyncio.run(go())
 
     def publish(self, name: str, load: ReplicaLoad, url: str | None = None) -> None:
+        self.loads[name], self.urls[name] = load, url
         self._run(lambda sink: sink.write_state(ReplicaState(self.info(name, url), load), ttl=60))
 
     def store_blocks(self, name: str, hashes: list[int]) -> None:
-        self._run(lambda sink: sink.write_blocks(name, BlockDelta(stored=set(hashes)), ttl=60))
+        """Blocks stored, then the record again (it names the generation they are filed under)."""
+        async def write(sink):
+            await sink.write_blocks(name, BlockDelta(stored=set(hashes)), ttl=60)
+            await sink.write_state(ReplicaState(self.info(name, self.urls.get(name)), self.loads[name]), ttl=60)
+
+        self._run(write)
 
     def who(self) -> dict[str, int]:
         return {n: len(v) for n, v in self.seen.items()}

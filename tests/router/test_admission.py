@@ -25,8 +25,8 @@ from tests.router.test_service import chat
 
 def make_router(tokenizer, redis_url: str, cold_start: float, max_queue: int = 16) -> AppServer:
     config = RouterConfig(max_queue=max_queue, request_timeout=10.0, cold_start_timeout=cold_start)
-    return AppServer(create_router_app(RouterService(config, tokenizer, RedisIndex(connect(redis_url)),
-                                                     ApiKeys([]))))
+    index = RedisIndex(connect(redis_url), record_refresh=0)
+    return AppServer(create_router_app(RouterService(config, tokenizer, index, ApiKeys([]))))
 
 
 def gauge(url: str, name: str) -> float | None:

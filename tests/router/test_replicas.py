@@ -21,7 +21,7 @@ class FlakyIndex:
             raise ConnectionError("Redis is down")
         return [self.state] if self.mode == "up" else []
 
-    async def claim(self, replica_id, block_hashes):
+    async def claim(self, replica_id, block_hashes, held=0):
         pass
 
 

@@ -28,8 +28,8 @@ SYSTEM = "You are a meticulous assistant for a shipping company. " * 12
 def make_router(tokenizer, redis_url: str, policy: str = "prefix", keys: list[str] | None = None,
                 max_queue: int = 16, token: InternalToken | None = None) -> AppServer:
     config = RouterConfig(policy=policy, max_queue=max_queue, request_timeout=10.0)
-    service = RouterService(config, tokenizer, RedisIndex(connect(redis_url), signer=token), ApiKeys(keys or []),
-                            internal_token=token)
+    index = RedisIndex(connect(redis_url), signer=token, record_refresh=0)  # the registry's latest word
+    service = RouterService(config, tokenizer, index, ApiKeys(keys or []), internal_token=token)
     return AppServer(create_router_app(service))
 
 
@@ -143,7 +143,7 @@ def test_streaming_relay_and_api_keys(tokenizer, redis_server, tmp_path):
     keys = ApiKeys.from_sources(str(keys_file), "sk-two")
     with FakeReplicas(redis_server.url, ["a"]):
         config = RouterConfig()
-        service = RouterService(config, tokenizer, RedisIndex(connect(redis_server.url)), keys)
+        service = RouterService(config, tokenizer, RedisIndex(connect(redis_server.url), record_refresh=0), keys)
         with AppServer(create_router_app(service)) as r:
             assert chat(r.url, "x").status_code == 401
             bad = chat(r.url, "x", headers={"authorization": "Bearer sk-three"})
@@ -212,3 +212,21 @@ def test_bad_input_never_reaches_a_replica(tokenizer, redis_server, body, status
         assert big.status_code == 413
         assert fakes.who() == {"a": 0}
         assert chat(r.url, "fine").status_code == 200
+
+
+def test_responses_are_routed_as_the_chat_they_render_to_and_bad_ones_stop_at_the_router(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a", "b"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        ids, hashes = chat_hashes(tokenizer, "Where is parcel 1?")
+        fakes.store_blocks("b", hashes[:-1])
+        body = {"model": MODEL, "instructions": SYSTEM, "input": "Where is parcel 1?", "max_output_tokens": 4}
+        resp = httpx.post(r.url + "/v1/responses", json=body, timeout=20)
+        assert resp.status_code == 200 and resp.headers["x-pagedserve-replica"] == "b"
+        assert resp.json()["prompt_token_ids"] == ids
+        for bad, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                           ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+                            "input.0.call_id"),
+                           ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto", "text": {
+                               "format": {"type": "text"}}, "max_output_tokens": 10**6}, "max_output_tokens")]:
+            resp = httpx.post(r.url + "/v1/responses", json={**body, **bad}, timeout=20)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+        assert fakes.who() == {"a": 0, "b": 1}

@@ -12,6 +12,26 @@ from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutpu
 EOS = 3
 
 
+def allowed_ids(bitmask: bytes, limit: int | None = None) -> list[int]:
+    """The token ids a packed mask allows, lowest first (at most `limit`)."""
+    ids = []
+    for w, word in enumerate(memoryview(bitmask).cast("I")):
+        while word:
+            low = word & -word
+            ids.append(w * 32 + low.bit_length() - 1)
+            if limit is not None and len(ids) >= limit:
+                return ids
+            word ^= low
+    return ids
+
+
+def allowed_choice(bitmask: bytes, draw: int) -> int:
+    """A structured-output row: one of the lowest allowed ids (single characters and short pieces in a BPE
+    vocabulary, so strings close and numbers end soon), chosen by `draw`, a function of the context."""
+    ids = allowed_ids(bitmask, 24)
+    return ids[draw % len(ids)] if ids else -1
+
+
 class ShadowExecutor:
     def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 1000, max_model_len: int = 4096):
         self.info = EngineInfo("shadow", block_size, num_blocks, max_model_len, vocab_size, "float32", "cpu", [EOS])
@@ -70,7 +90,9 @@ class ShadowExecutor:
                 toks = []
                 for j in range(s.num_samples):
                     t = self.next_token(ctx + [j])
-                    if len(ctx) + 1 >= self.eos_after.get(s.seq_id, 1 << 30):
+                    if s.token_bitmask is not None:
+                        t = allowed_choice(s.token_bitmask, t)
+                    elif len(ctx) + 1 >= self.eos_after.get(s.seq_id, 1 << 30):
                         t = EOS
                     toks.append(t)
                     if j:

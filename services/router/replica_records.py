@@ -1,0 +1,98 @@
+"""The router's in-memory copy of every replica's signed registry record (identity, load, generation).
+
+Records are read in the background every `refresh` seconds (O(replicas) per refresh, never per routing
+decision), verified once per distinct record, and looked up by replica id or by index generation. With
+refresh=0 every call re-reads them (tests that need the registry's latest word at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.asyncio import Redis
+
+from services.registry import keys
+from services.registry.model import ReplicaState, Signer, UntrustedRecord
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaRecords:
+    def __init__(self, client: Redis, namespace: str, signer: Signer | None, refresh: float):
+        self.client = client
+        self.ns = namespace
+        self.signer = signer  # with the internal token, records it cannot verify are ignored
+        self.refresh = refresh
+        self.states: list[ReplicaState] = []  # every live replica, matched_blocks 0
+        self.position: dict[str, int] = {}  # replica id -> index in states
+        self.by_generation: dict[int, str] = {}  # index generation -> replica id
+        self.read_at = 0.0
+        self._parsed: dict[str, tuple[bytes, ReplicaState]] = {}
+        self._warned: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._failing = False
+
+    async def current(self) -> list[ReplicaState]:
+        """The records, read now when they never were (or refresh is 0); raises if that read fails."""
+        if self.refresh <= 0 or not self.read_at:
+            await self.read()
+        if self.refresh > 0 and self._task is None:
+            self._task = asyncio.create_task(self._loop())
+        return self.states
+
+    async def read(self) -> None:
+        ids = sorted(m.decode() if isinstance(m, bytes) else m
+                     for m in await self.client.smembers(keys.replicas_key(self.ns)))
+        pipe = self.client.pipeline(transaction=False)
+        for rid in ids:
+            pipe.get(keys.replica_key(self.ns, rid))
+        raws = await pipe.execute() if ids else []
+        states, gone = [], []
+        for rid, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                gone.append(rid)
+                continue
+            state = self._parse(rid, raw)
+            if state is not None:
+                states.append(state)
+        if gone:  # expired records: their ids leave the registry set (whoever notices first)
+            await self.client.srem(keys.replicas_key(self.ns), *gone)
+        # Swapped together, with no await in between: a decision reads one consistent set.
+        position = {s.info.replica_id: i for i, s in enumerate(states)}
+        by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
+        self.states, self.position, self.by_generation = states, position, by_generation
+        self._parsed = {rid: v for rid, v in self._parsed.items() if rid in self.position}
+        self.read_at = time.monotonic()
+
+    def _parse(self, rid: str, raw: bytes) -> ReplicaState | None:
+        cached = self._parsed.get(rid)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        try:
+            state = ReplicaState.from_json(raw, 0, self.signer)
+        except (UntrustedRecord, ValueError, KeyError, TypeError) as exc:
+            if rid not in self._warned and len(self._warned) < 1024:  # a forger must not flood the log
+                self._warned.add(rid)
+                log.warning("ignoring registry record %r: %s", rid, exc)
+            return None
+        self._parsed[rid] = (raw, state)
+        return state
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh)
+            try:
+                await self.read()
+            except Exception as exc:  # the decision path notices the outage itself and degrades
+                if not self._failing:
+                    log.warning("registry records unreadable (%s: %s); keeping the last ones", type(exc).__name__, exc)
+                self._failing = True
+            else:
+                self._failing = False
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
