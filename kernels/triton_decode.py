@@ -40,7 +40,7 @@ PROGRAMS_PER_SM = 2
 
 
 # Arguments that vary from step to step: Triton would otherwise compile a variant for each value equal to 1 or
-# divisible by 16 (tests/kernels/test_triton_variants.py counts the variants over a run of steps).
+# divisible by 16 (tests/engine/test_kernel_warmup.py counts the variants over a run of steps).
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr,

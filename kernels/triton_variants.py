@@ -11,10 +11,11 @@ from __future__ import annotations
 
 def engine_kernels() -> dict:
     """name -> the @triton.jit function (or the interpreter's stand-in) of every kernel the engine runs."""
-    from kernels import triton_decode, triton_prefill, triton_write_kv
+    from kernels import triton_decode, triton_prefill, triton_token_bitmask, triton_write_kv
 
     return {"decode": triton_decode._decode_split_kernel, "decode reduce": triton_decode._decode_reduce_kernel,
-            "prefill": triton_prefill._prefill_kernel, "write_kv": triton_write_kv._write_kv_kernel}
+            "prefill": triton_prefill._prefill_kernel, "write_kv": triton_write_kv._write_kv_kernel,
+            "token bitmask": triton_token_bitmask._apply_token_bitmask_kernel}
 
 
 def _compiled(fn) -> list:

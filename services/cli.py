@@ -144,6 +144,13 @@ def _add_bench(sub) -> None:
     s.add_argument("--json", dest="json_path", default=None)
     s.add_argument("--plot", default=None, help="write latency-vs-rate and CDF plots to this PNG (matplotlib)")
     s.set_defaults(handler="services.bench.serve_bench:run")
+    g = bsub.add_parser("structured", help="mixed structured-output requests with the openai client against an "
+                        "endpoint, every answer parsed and validated")
+    g.add_argument("--endpoint", required=True, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    g.add_argument("--num-requests", type=int, default=200)
+    g.add_argument("--concurrency", type=int, default=16)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.set_defaults(handler="services.bench.structured_check:run")
     c = bsub.add_parser("chaos", help="faults under load on a local cluster: engine kill, Redis outage, dropped "
                         "streams, scheduler drain, overload burst")
     c.add_argument("--model", default=None)

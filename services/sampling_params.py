@@ -45,6 +45,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation: blocks of different salts never match
+    # vLLM's penalties: presence/frequency over the tokens generated so far, repetition over prompt + output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's [-100, 100])
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely token's
+    best_of: int | None = None  # generate best_of samples, return the n with the highest cumulative logprob
     # Beam search (vLLM's extension): n beams, scored as transformers' generate(num_beams=n) does.
     use_beam_search: bool = False
     length_penalty: float = 1.0  # finished beams score cumulative logprob / generated_tokens ** length_penalty
@@ -57,6 +64,11 @@ class SamplingParams:
     MAX_STOP_STRINGS = 16
     MAX_STOP_CHARS = 1024
     MAX_STOP_TOKEN_IDS = 256
+    MAX_LOGIT_BIAS = 300
+    PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence and frequency penalties
+    # Multiplying or dividing a logit by more than this can only overflow float32, never sample better.
+    REPETITION_RANGE = (0.01, 100.0)
+    BIAS_RANGE = (-100.0, 100.0)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +76,17 @@ class SamplingParams:
         self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    @property
+    def num_sequences(self) -> int:
+        """Samples generated: best_of when given (the n best are returned), else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def penalizes(self) -> bool:
+        """Any logits processor beyond temperature/top-k/top-p: penalties, logit bias or min_p."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_p)
 
     @property
     def effective_temperature(self) -> float:
@@ -116,6 +139,7 @@ class SamplingParams:
 
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
+        self._validate_logits_processors(is_int, is_num)
         if not isinstance(self.use_beam_search, bool):
             raise InvalidRequestError("use_beam_search", f"must be a boolean, got {self.use_beam_search!r}")
         if not is_num(self.length_penalty):
@@ -138,3 +162,37 @@ class SamplingParams:
             raise InvalidRequestError("stop", "stop strings are not supported with beam search (stop_token_ids are)")
         if self.structured_outputs is not None:
             raise InvalidRequestError("structured_outputs", "is not supported with beam search")
+        if (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_p
+                or self.logit_bias):
+            name = next(n for n in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias")
+                        if getattr(self, n)) if self.repetition_penalty == 1.0 else "repetition_penalty"
+            raise InvalidRequestError(name, "is not supported with beam search (it ranks the raw logprobs)")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequestError("best_of", "is not supported with beam search (n is the beam width)")
+
+    def _validate_logits_processors(self, is_int, is_num) -> None:
+        lo, hi = self.PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not lo <= v <= hi:
+                raise InvalidRequestError(name, f"must be a number in [{lo}, {hi}], got {v!r}")
+        lo, hi = self.REPETITION_RANGE
+        if not is_num(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            raise InvalidRequestError("repetition_penalty", f"must be a number in [{lo}, {hi}] (1: off), "
+                                      f"got {self.repetition_penalty!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError("logit_bias", "must map token ids to biases")
+            if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+                raise InvalidRequestError("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries, got "
+                                          f"{len(self.logit_bias)}")
+            lo, hi = self.BIAS_RANGE
+            for t, b in self.logit_bias.items():
+                if not is_int(t) or not 0 <= t < _TOKEN_ID_LIMIT:
+                    raise InvalidRequestError("logit_bias", f"keys must be token ids, got {t!r:.80}")
+                if not is_num(b) or not lo <= b <= hi:
+                    raise InvalidRequestError("logit_bias", f"token {t}: bias must be in [{lo}, {hi}], got {b!r:.80}")
+        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= 128):
+            raise InvalidRequestError("best_of", f"must be an integer in [n, 128] (n = {self.n}), got {self.best_of!r}")

@@ -30,6 +30,31 @@ class SamplingSpec:
 
 
 @dataclass(slots=True)
+class PenaltySpec:
+    """The rarer logits processors of one row (services/engine/logits_processors.py): vLLM's penalties,
+    OpenAI's logit_bias and min_p. A row that uses none has no PenaltySpec, so nothing of it goes on the
+    wire. The token history comes with every step from the scheduler (its copy is the truth), so
+    preemption, re-runs of a step and forks of n > 1 can never leave the engine with a stale one."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    bias_token_ids: list[int] = field(default_factory=list)  # logit_bias, as two parallel lists
+    bias_values: list[float] = field(default_factory=list)
+    # Tokens generated so far (with repeats: frequency counts them); empty unless a penalty is set.
+    output_token_ids: list[int] = field(default_factory=list)
+    # The prompt's distinct tokens; empty unless repetition_penalty != 1 (only it looks at the prompt).
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether it can change the argmax (min_p alone cannot: greedy rows then skip it)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.bias_token_ids)
+
+
+@dataclass(slots=True)
 class ScheduledSequence:
     seq_id: str
     token_ids: list[int]  # tokens whose KV is computed this step
@@ -45,6 +70,7 @@ class ScheduledSequence:
     # Structured output: the token ids the sampler may pick this step, one bit per id of the vocabulary
     # (little-endian int32 words, as bytes: 4 * ceil(vocab / 32) of them). None: unconstrained.
     token_bitmask: bytes | None = None
+    penalties: PenaltySpec | None = None  # only on rows that sample and ask for one
 
 
 @dataclass(slots=True)
@@ -61,18 +87,30 @@ class SchedulerOutput:
     def to_wire(self) -> dict:
         seqs = []
         for s in self.sequences:
-            d = _fields(s)
+            d = {name: getattr(s, name) for name in _WIRED_ALWAYS}
             d["sampling"] = _fields(s.sampling)
+            if s.penalties is not None:  # the common row carries nothing of it
+                d["penalties"] = _fields(s.penalties)
             seqs.append(d)
         return {"step_id": self.step_id, "sequences": seqs, "blocks_to_copy": [list(p) for p in self.blocks_to_copy]}
 
     @classmethod
     def from_wire(cls, d: dict) -> SchedulerOutput:
         seqs = [
-            ScheduledSequence(**{**s, "sampling": SamplingSpec(**s["sampling"])}) for s in d["sequences"]
+            ScheduledSequence(**{**s, "sampling": SamplingSpec(**s["sampling"]), **_penalties_from_wire(s)})
+            for s in d["sequences"]
         ]
         return cls(step_id=d["step_id"], sequences=seqs,
                    blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]])
+
+
+# Every field of a ScheduledSequence but the optional sub-specs, which go on the wire only when present.
+_WIRED_ALWAYS = tuple(name for name in ScheduledSequence.__dataclass_fields__ if name != "penalties")
+
+
+def _penalties_from_wire(s: dict) -> dict:
+    p = s.get("penalties")
+    return {} if p is None else {"penalties": PenaltySpec(**p)}
 
 
 @dataclass(slots=True)

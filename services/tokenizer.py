@@ -105,8 +105,12 @@ class ModelTokenizer:
             ids.extend(cached)
         return ids
 
-    def encode(self, text: str) -> list[int]:
-        return self.fast.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.fast.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level pieces such as 'Ġthe'), as vLLM's /tokenize."""
+        return [self.fast.id_to_token(t) or "" for t in token_ids]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:

@@ -5,9 +5,10 @@ Triton compiles one variant per specialization of a kernel's constexprs (the pre
 rows, split-KV decode or not) and of its arguments' alignment; the step buffer keeps every index field
 16-byte aligned (step_inputs.FIELD_ALIGN) and the kernels do not specialize on what varies per step
 (kernels/triton_*.py: `do_not_specialize`), so a handful of synthetic steps covers them: prefill-only,
-decode-only and mixed, short and split-KV decodes, small and large prefill tiles. Decode-graph shapes
-warm at graph capture. Every rank of a tensor-parallel engine runs the same steps (their collectives
-pair up). tests/kernels/test_triton_variants.py proves the set is closed over a varied run of steps.
+decode-only and mixed, short and split-KV decodes, small and large prefill tiles, and on CUDA structured
+output's token mask. Decode-graph shapes warm at graph capture. Every rank of a tensor-parallel engine
+runs the same steps (their collectives pair up). tests/engine/test_kernel_warmup.py proves the set is
+closed over a varied run of steps.
 """
 
 from __future__ import annotations
@@ -65,5 +66,12 @@ def warm_up(runner) -> None:
         runner.run_step(runner.inputs.build(out))
     runner.arena.zero_()
     if runner.device.type == "cuda":
+        # Structured output's mask: float32 logits (sampled rows) and the model's dtype (greedy rows).
+        from kernels.triton_token_bitmask import apply_token_bitmask
+
+        vocab = model.config.vocab_size
+        mask = torch.full((1, -(-vocab // 32)), -1, dtype=torch.int32, device=runner.device)
+        for dtype in {torch.float32, runner.dtype}:
+            apply_token_bitmask(torch.zeros(1, vocab, dtype=dtype, device=runner.device), mask)
         torch.cuda.synchronize(runner.device)
     log.info("warmed the attention kernels with %d steps in %.1f s", len(outs), time.monotonic() - started)

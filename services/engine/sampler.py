@@ -13,6 +13,10 @@ Random rows apply temperature, top-k and top-p, then draw with the exponential-r
 p / E, E ~ Exp(1)), which equals sampling from p. A row with a seed draws its noise from a generator
 seeded by (seed, sample index, output index), so a seeded request gives the same tokens whatever else
 is in the batch and even after preemption and recomputation.
+
+Rows with a PenaltySpec (logit bias, penalties, min_p) go through services/engine/logits_processors.py
+in float32 first; log-probabilities stay those of the model's own distribution (vLLM's raw logprobs).
+Rows without one take exactly the path they took before it existed.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import torch
 import xxhash
 
 from kernels.token_bitmask import apply_token_bitmask, masked_argmax
+from services.engine.logits_processors import apply_min_p, apply_penalties
 from services.sampling_params import MIN_TEMPERATURE
-from services.step_protocol import SamplingSpec, TokenLogprobs
+from services.step_protocol import PenaltySpec, SamplingSpec, TokenLogprobs
 
 
 @dataclass
@@ -34,6 +39,7 @@ class SampleRow:
     output_index: int
     banned: list[int] = field(default_factory=list)  # token ids this row may not pick (min_tokens)
     bitmask: bytes | None = None  # structured output: the allowed tokens, packed (None: all)
+    penalties: PenaltySpec | None = None
 
 
 def _bitmask(rows: list[SampleRow], device: torch.device) -> torch.Tensor | None:
@@ -78,9 +84,15 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.spec.temperature < MIN_TEMPERATURE]
         rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
         want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
-        if len(greedy) == n and not want:  # the common case: no float32 copy of the logits at all
+        # Rows whose logits a bias or penalty changes (min_p alone is applied in _sample, and greedy
+        # rows ignore it: it never moves the argmax).
+        adjusted = [i for i, r in enumerate(rows) if r.penalties is not None and r.penalties.adjusts_logits]
+        if len(greedy) == n and not want and not adjusted:  # the common case: no float32 copy of the logits
             return self._greedy(logits, hidden, head_weight, bitmask).tolist(), [None] * n
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        adj = set(adjusted)
+        adjusted_greedy = [i for i in greedy if i in adj]
+        greedy = [i for i in greedy if i not in adj]
         if greedy:
             gi = torch.tensor(greedy, device=logits.device)
             rows_hidden = None if hidden is None else hidden.index_select(0, gi)
@@ -89,6 +101,14 @@ class Sampler:
         logits = logits.float()
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)  # rows without a mask are all ones: left as they are
+        raw = logits  # what log-probabilities are taken from: the model's, constrained by bans and masks
+        if adjusted:
+            ai = torch.tensor(adjusted, device=logits.device)
+            part = apply_penalties(logits.index_select(0, ai), [rows[i].penalties for i in adjusted])
+            logits = logits.index_copy(0, ai, part)  # a copy: `raw` keeps the model's distribution
+            if adjusted_greedy:
+                agi = torch.tensor(adjusted_greedy, device=logits.device)
+                tokens[agi] = logits.index_select(0, agi).max(dim=-1).indices
         if rand:
             ri = torch.tensor(rand, device=logits.device)
             tokens[ri] = self._sample(logits.index_select(0, ri), [rows[i] for i in rand])
@@ -96,7 +116,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * n
         if want:
             wi = torch.tensor(want, device=logits.device)
-            lp = torch.log_softmax(logits.index_select(0, wi), dim=-1)
+            lp = torch.log_softmax(raw.index_select(0, wi), dim=-1)
             k = max(rows[i].spec.logprobs for i in want)
             top_v, top_i = lp.topk(max(k, 1), dim=-1) if k else (None, None)
             chosen = lp.gather(1, tokens.index_select(0, wi).unsqueeze(1)).squeeze(1).tolist()
@@ -125,6 +145,9 @@ class Sampler:
         dev = logits.device
         temps = torch.tensor([r.spec.temperature for r in rows], device=dev, dtype=torch.float32)
         logits = logits / temps.unsqueeze(1)
+        min_ps = [r.penalties.min_p if r.penalties is not None else 0.0 for r in rows]
+        if any(min_ps):
+            logits = apply_min_p(logits, min_ps)
         top_ks = [r.spec.top_k for r in rows]
         top_ps = [r.spec.top_p for r in rows]
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):

@@ -31,6 +31,7 @@ from services.engine.step_validation import (
     StepLimits,
     bitmask_size,
     find_faults,
+    penalties_ok,
     sampling_ok,
 )
 from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
@@ -183,6 +184,8 @@ class StepInputBuilder:
                       and (mask is None or (type(mask) is bytes and len(mask) == bitmask_size(vocab))))
                 if ok and banned:
                     self._ints(banned, INDEX_LIMIT)
+                if ok and s.penalties is not None and not penalties_ok(s.penalties, vocab, max_len):
+                    raise _Refused
             elif s.sample is not False:
                 ok = False
             if not ok:
@@ -245,7 +248,7 @@ class StepInputBuilder:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
                     rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids,
-                                          s.token_bitmask))
+                                          s.token_bitmask, s.penalties))
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 

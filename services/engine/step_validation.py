@@ -77,6 +77,56 @@ def _sampling_faults(seq_id: str, spec, vocab_size: int) -> list[StepFault]:
     return out
 
 
+# A PenaltySpec's ranges (services.sampling_params checks the same, more tightly, on the request side).
+PENALTY_LIMIT = 2.0
+REPETITION_RANGE = (0.01, 100.0)
+BIAS_LIMIT = 100.0
+MAX_BIAS_ENTRIES = 300
+
+
+def _in(v, lo: float, hi: float) -> bool:
+    return isinstance(v, (int, float)) and lo <= v <= hi  # NaN compares false: refused
+
+
+def _id_list_ok(values, vocab_size: int, max_len: int) -> bool:
+    if type(values) is not list or len(values) > max_len:
+        return False
+    return all(type(v) is int and 0 <= v < vocab_size for v in values)
+
+
+def penalties_ok(p, vocab_size: int, max_model_len: int) -> bool:
+    """The check of one PenaltySpec: every token id indexes the vocabulary, every number in its range."""
+    return not _penalty_faults("", p, vocab_size, max_model_len)
+
+
+def _penalty_faults(seq_id: str, p, vocab_size: int, max_model_len: int) -> list[StepFault]:
+    out = []
+
+    def bad(field: str, message: str) -> None:
+        out.append(StepFault(seq_id, f"penalties.{field}", message))
+
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name, None)
+        if not _in(v, -PENALTY_LIMIT, PENALTY_LIMIT):
+            bad(name, f"must be a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {_short(v)}")
+    v = getattr(p, "repetition_penalty", None)
+    if not _in(v, *REPETITION_RANGE):
+        bad("repetition_penalty", f"must be a number in {list(REPETITION_RANGE)}, got {_short(v)}")
+    v = getattr(p, "min_p", None)
+    if not _in(v, 0.0, 1.0):
+        bad("min_p", f"must be a number in [0, 1], got {_short(v)}")
+    ids, values = getattr(p, "bias_token_ids", None), getattr(p, "bias_values", None)
+    if not _id_list_ok(ids, vocab_size, MAX_BIAS_ENTRIES):
+        bad("bias_token_ids", f"must be at most {MAX_BIAS_ENTRIES} token ids in [0, {vocab_size})")
+    elif (type(values) is not list or len(values) != len(ids)
+          or not all(_in(b, -BIAS_LIMIT, BIAS_LIMIT) for b in values)):
+        bad("bias_values", f"must be one number in [-{BIAS_LIMIT}, {BIAS_LIMIT}] per bias_token_ids entry")
+    for name in ("output_token_ids", "prompt_token_ids"):
+        if not _id_list_ok(getattr(p, name, None), vocab_size, max_model_len):
+            bad(name, f"must be at most {max_model_len} token ids in [0, {vocab_size})")
+    return out
+
+
 def _short(v) -> str:
     # Never str() a huge int: past 4300 digits Python refuses (ValueError) instead of printing it.
     text = repr(v) if not _is_int(v) or abs(v) < 10 ** 30 else f"an integer of {v.bit_length()} bits"
@@ -149,6 +199,8 @@ def _sequence_faults(s, limits: StepLimits) -> list[StepFault]:
         if mask is not None and (type(mask) is not bytes or len(mask) != size):
             bad("token_bitmask", f"must be {size} bytes (a bit per token id of the vocabulary of "
                                  f"{limits.vocab_size}), got {_short(mask) if type(mask) is not bytes else len(mask)}")
+        if s.penalties is not None:
+            out += _penalty_faults(seq_id, s.penalties, limits.vocab_size, limits.max_model_len)
     return out
 
 

@@ -104,13 +104,6 @@ def _refuse(field: str, what: str) -> APIError:
 
 def reject_unsupported(req: _SamplingFields) -> None:
     """Fields we parse but cannot honour, unless at their inert value: a 400 beats silently ignoring them."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise _refuse(name, name)
-    if req.repetition_penalty not in (None, 1):
-        raise _refuse("repetition_penalty", "repetition_penalty")
-    if req.logit_bias:
-        raise _refuse("logit_bias", "logit_bias")
     if req.store:
         raise _refuse("store", "storing completions")
     if req.service_tier not in (None, "auto", "default"):
@@ -120,19 +113,28 @@ def reject_unsupported(req: _SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _refuse("echo", "echo")
+        if req.echo and req.logprobs is not None:
+            raise _refuse("echo", "echo with logprobs (log-probabilities of the prompt)")
         if req.suffix:
             raise _refuse("suffix", "suffix")
-        if req.best_of not in (None, req.n):
-            raise _refuse("best_of", "best_of other than n")
-        prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and not isinstance(
-            req.prompt[0], int) else 1
-        if prompts * req.n > MAX_SEQUENCES:
-            raise APIError(400, f"prompt: {prompts} prompts x n={req.n} is {prompts * req.n} sequences; at most "
-                           f"{MAX_SEQUENCES} per request", "prompt")
+        _check_best_of(req)
     if isinstance(req, ChatCompletionRequest):
         _reject_unsupported_chat(req)
+
+
+def _check_best_of(req: CompletionRequest) -> None:
+    n = req.n if req.best_of is None else req.best_of
+    if req.best_of is not None and req.best_of < req.n:
+        raise APIError(400, f"best_of: must be >= n ({req.n}), got {req.best_of}", "best_of")
+    if req.best_of is not None and req.best_of > req.n and req.stream:
+        # OpenAI's rule: the best cannot be known until every sample is done.
+        raise APIError(400, "best_of: results cannot be streamed when best_of > n", "best_of")
+    prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and not isinstance(
+        req.prompt[0], int) else 1
+    if prompts * n > MAX_SEQUENCES:
+        what = "n" if req.best_of is None else "best_of"
+        raise APIError(400, f"prompt: {prompts} prompts x {what}={n} is {prompts * n} sequences; at most "
+                       f"{MAX_SEQUENCES} per request", "prompt")
 
 
 def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:

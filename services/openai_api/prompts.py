@@ -28,6 +28,8 @@ class TokenizerLike(Protocol):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
 
 @dataclass
 class PreparedRequest:
@@ -38,6 +40,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     tools: ToolUse | None = None  # the calls the model may make (chat with tools offered)
+    echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices begin with
 
 
 def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
@@ -70,7 +73,33 @@ def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
     return prompts
 
 
+def chat_prompt_ids(messages, tokenizer: TokenizerLike, add_generation_prompt: bool = True) -> list[int]:
+    """Chat messages through the model's template, or a 400 naming `messages` when it refuses them."""
+    try:
+        return tokenizer.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
+    except Exception as exc:  # the template's own raise_exception(), e.g. roles out of order
+        raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
+                       "messages") from None
+
+
+def logit_bias_ids(req) -> dict[int, float] | None:
+    """OpenAI's logit_bias (decimal token id strings) with int keys; a 400 naming it for any other key."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        # Canonical decimals only: "7" and "07" would otherwise both name token 7.
+        if not key.isascii() or not key.isdigit() or (len(key) > 1 and key[0] == "0"):
+            raise APIError(400, f"logit_bias: keys must be token ids as decimal strings, got {key[:20]!r}",
+                           "logit_bias")
+        out[int(key)] = bias
+    return out
+
+
 def _check_vocab_fields(req, vocab: int) -> None:
+    for t in logit_bias_ids(req) or ():
+        if t >= vocab:
+            raise APIError(400, f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})", "logit_bias")
     if req.top_k is not None and req.top_k > vocab:
         raise APIError(400, f"top_k: {req.top_k} exceeds the vocabulary size {vocab}", "top_k")
     for t in req.stop_token_ids or ():
@@ -108,6 +137,10 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, cache_salt=req.cache_salt,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias_ids(req), min_p=req.min_p or 0.0,
+            best_of=None if is_chat else req.best_of,
             use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
             early_stopping=req.early_stopping, structured_outputs=structured_outputs_of(req))
     except InvalidRequestError as exc:
@@ -135,7 +168,7 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer
                            "may be called (their calls are constrained); use tool_choice \"none\" with it",
                            params.structured_outputs.field_name)
         try:
-            params.structured_outputs = tool_constraint(req, tools)
+            params.structured_outputs = tool_constraint(tools)
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc) from None
         if not tools.parallel and CALL_CLOSE not in params.stop_strings:
@@ -143,7 +176,17 @@ def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer
             params.stop_strings.append(CALL_CLOSE)
     if isinstance(req, ChatCompletionRequest):
         return PreparedRequest("chat", req.model, prompts, params, req.stream, req.include_usage, tools)
-    return PreparedRequest("completion", req.model, prompts, params, req.stream, req.include_usage)
+    echo = _echo_texts(req, prompts, tokenizer) if req.echo else None
+    return PreparedRequest("completion", req.model, prompts, params, req.stream, req.include_usage, echo=echo)
+
+
+def _echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
+    """The prompt as the client sent it when it was text, else its tokens decoded (as vLLM echoes)."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if req.prompt and isinstance(req.prompt[0], str):
+        return list(req.prompt)
+    return [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
 
 
 async def prepare_async(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,

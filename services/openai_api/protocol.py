@@ -28,6 +28,7 @@ MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 256  # model, user, cache_salt, message names
 MAX_TOOLS = 128  # OpenAI's limit on functions per request
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
+MAX_LOGIT_BIAS = 300  # entries of logit_bias
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -36,6 +37,8 @@ TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=4 * 1024 * 1024)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -89,10 +92,13 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
     min_tokens: Count = 0  # vLLM extension
-    presence_penalty: Finite | None = None
-    frequency_penalty: Finite | None = None
-    repetition_penalty: Finite | None = None
-    logit_bias: dict[str, Finite] | None = None
+    presence_penalty: Penalty | None = None  # OpenAI: over the tokens generated so far
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0, allow_inf_nan=False)] | None = None  # vLLM's
+    # Token id (a decimal string, OpenAI's form) -> bias added to its logit.
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=12)], Bias],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None  # vLLM extension
     user: Name | None = None
     # Prefix-cache isolation (vLLM's field): blocks of different salts never match.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
@@ -125,9 +131,9 @@ class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text before each choice's
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # >= n; the n of highest cumulative logprob
 
 
 class TextPart(_Strict):

@@ -226,6 +226,7 @@ def responses_error(err: APIError, where: list[str]) -> APIError:
         new = origin + ("." + tail if tail and origin not in ("instructions", "input") else "")
     else:
         rest = rest.replace("function.", "", 1) if head in ("tools", "tool_choice") else rest
+        rest = rest.replace("json_schema.", "", 1) if head == "response_format" else rest
         new = _FIELDS.get(head, head) + ("." + rest if rest else "")
     message = err.message.replace(param, new, 1) if err.message.startswith(param) else err.message
     return APIError(err.status, message, new, err.code, err.headers)

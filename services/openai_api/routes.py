@@ -69,10 +69,14 @@ def _openapi(app: FastAPI) -> dict:
 
 def add_openai_routes(app: FastAPI, handler, models: Callable[[Request], Awaitable[dict]],
                       render_metrics: Callable[[], tuple[bytes, str]]) -> None:
-    """`handler` has async completions(request), chat(request) and responses(request)."""
+    """`handler` has async completions(request), chat(request), responses(request),
+    tokenize(request) and detokenize(request)."""
     app.add_api_route("/v1/completions", handler.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handler.chat, methods=["POST"])
     app.add_api_route("/v1/responses", handler.responses, methods=["POST"])
+    # vLLM's paths (no /v1 prefix).
+    app.add_api_route("/tokenize", handler.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", handler.detokenize, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
 
     async def metrics_route() -> Response:

@@ -47,6 +47,7 @@ class ToolUse:
     names: tuple[str, ...]  # the functions it may call (only the named one under a named choice)
     parallel: bool  # false: exactly one call, then generation ends
     schemas: tuple[dict, ...]  # each name's parameter schema ({} when the tool gave none)
+    fields: tuple[str, ...] = ()  # the request field of each schema, for errors
 
 
 def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
@@ -56,13 +57,14 @@ def tool_use(req: ChatCompletionRequest) -> ToolUse | None:
     _check_history(req.messages)
     if not req.tools or req.tool_choice == "none":
         return None
-    tools = [t.function for t in req.tools]
+    tools = [(i, t.function) for i, t in enumerate(req.tools)]
     choice = req.tool_choice or "auto"
     if isinstance(choice, NamedToolChoice):
-        tools = [f for f in tools if f.name == choice.function.name]
+        tools = [(i, f) for i, f in tools if f.name == choice.function.name]
         choice = "named"
-    return ToolUse(choice, tuple(f.name for f in tools), req.parallel_tool_calls is not False,
-                   tuple(f.parameters or {} for f in tools))
+    return ToolUse(choice, tuple(f.name for _, f in tools), req.parallel_tool_calls is not False,
+                   tuple(f.parameters or {} for _, f in tools),
+                   tuple(f"tools.{i}.function.parameters" for i, _ in tools))
 
 
 def check_tools(req: ChatCompletionRequest) -> None:

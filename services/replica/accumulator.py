@@ -35,12 +35,13 @@ class _Choice:
 class ResponseAccumulator:
     def __init__(self, kind: str, request_id: str, model: str, n: int, prompt_lens: list[int],
                  token_text: R.TokenText, want_logprobs: bool, include_usage: bool = False,
-                 tools: ToolUse | None = None):
+                 tools: ToolUse | None = None, echo: list[str] | None = None):
         self.kind, self.request_id, self.model, self.n = kind, request_id, model, n
         self.prompt_lens = prompt_lens
         self.token_text = token_text
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
+        self.echo = echo  # per prompt: the text its choices begin with (completions' echo)
         self.created = R.now()
         self.choices = [_Choice(calls=ToolCallParser(tools.names) if tools else None)
                         for _ in range(n * len(prompt_lens))]
@@ -56,14 +57,15 @@ class ResponseAccumulator:
         deltas = []
         for o in out.outputs:
             c = self.choices[prompt_idx * self.n + o.index]
-            c.text, c.token_ids, c.logprobs = o.text, list(o.token_ids), list(o.logprobs or [])
+            text = o.text if self.echo is None else self.echo[prompt_idx] + o.text
+            c.text, c.token_ids, c.logprobs = text, list(o.token_ids), list(o.logprobs or [])
             newly_finished = o.finish_reason is not None and c.reason is None
             c.reason = o.finish_reason if o.finish_reason is not None else c.reason
             delta = c.text[c.sent_text:] if len(c.text) > c.sent_text else ""
             # A choice's first chunk goes out with its first token even while that token has no text yet
             # (a partial UTF-8 character, a special token): the client learns at once that generation
             # began, as vLLM streams it. Chat's first chunk carries the assistant role.
-            opens = not c.started and (self.kind == "chat" or bool(c.token_ids))
+            opens = not c.started and (self.kind == "chat" or bool(c.token_ids) or bool(c.text))
             if not delta and not newly_finished and not opens:
                 continue
             deltas.extend(self._stream_choices(prompt_idx * self.n + o.index, c, delta, newly_finished))

@@ -24,6 +24,8 @@ from services.openai_api.prompts import PreparedRequest, prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.routes import check_model
 from services.openai_api.streams import ClientGone, merge, until_disconnect
+from services.openai_api.tokenize import detokenize, parse_detokenize, parse_tokenize, tokenize
+from services.openai_api.tool_grammar import compile_constraint
 from services.replica.accumulator import ResponseAccumulator
 from services.replica.metrics import RequestTimer, SchedulerMetrics
 from services.replica.responses_endpoint import ResponsesEndpoint
@@ -89,6 +91,19 @@ class OpenAIServing:
 
     async def responses(self, request: Request) -> Response:
         return await self._responses.responses(request)
+    async def tokenize(self, request: Request) -> Response:
+        self.check_caller(request)
+        req = parse_tokenize(await read_json_body(request, self.config.max_body_bytes))
+        if req.model is not None:
+            check_model(req.model, self.config.model_name)
+        return JSONResponse(await tokenize(req, self.tokenizer, self.config.max_model_len))
+
+    async def detokenize(self, request: Request) -> Response:
+        self.check_caller(request)
+        req = parse_detokenize(await read_json_body(request, self.config.max_body_bytes))
+        if req.model is not None:
+            check_model(req.model, self.config.model_name)
+        return JSONResponse(detokenize(req, self.tokenizer))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -112,21 +127,19 @@ class OpenAIServing:
                              make_format: Callable[[ResponseAccumulator], ResponseFormat]) -> Response:
         """Run a validated request and answer it in the format `make_format` builds over its accumulator."""
         if self.grammars is not None and prepared.params.structured_outputs is not None:
-            try:
-                await self.grammars.compile_async(prepared.params.structured_outputs)
-            except InvalidRequestError as exc:
-                raise APIError.from_invalid(exc) from None
+            await compile_constraint(self.grammars, prepared.params.structured_outputs, prepared.tools)
         if not self.backend.healthy:
             raise APIError(503, "this replica's engine is unavailable", code="engine_unavailable")
         try:
-            admission = self.backend.admit(prepared.params.n * len(prepared.prompts))
+            admission = self.backend.admit(prepared.params.num_sequences * len(prepared.prompts))
         except QueueFullError as exc:
             raise APIError(503, f"this replica's queue is full: {exc}", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         request_id = id_prefix + uuid.uuid4().hex
         acc = ResponseAccumulator(prepared.kind, request_id, prepared.model, prepared.params.n,
                                   [len(p) for p in prepared.prompts], self.token_text,
-                                  prepared.params.logprobs is not None, prepared.include_usage, prepared.tools)
+                                  prepared.params.logprobs is not None, prepared.include_usage, prepared.tools,
+                                  prepared.echo)
         fmt = make_format(acc)
         run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics), admission)
         try:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from services.block_hash import hash_blocks, salted_seed
 from services.internal_auth import InternalToken
@@ -28,6 +28,10 @@ from services.openai_api.responses_protocol import (
     responses_error,
     to_chat,
 )
+from services.openai_api.tokenize import detokenize as detokenize_request
+from services.openai_api.tokenize import parse_detokenize, parse_tokenize
+from services.openai_api.tokenize import tokenize as tokenize_request
+from services.openai_api.tool_grammar import compile_constraint
 from services.registry.model import ModelIdentity, PrefixIndex
 from services.router.admission import Admission
 from services.router.auth import ApiKeys
@@ -35,7 +39,6 @@ from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
-from services.sampling_params import InvalidRequestError
 from services.structured_output.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,31 @@ class RouterService:
 
     async def responses(self, request: Request) -> Response:
         return await self._counted(self._route(request, ResponsesRequest, "/v1/responses"))
+    async def tokenize(self, request: Request) -> Response:
+        return await self._counted(self._tokenize(request, tokenize=True))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._counted(self._tokenize(request, tokenize=False))
+
+    async def _tokenize(self, request: Request, tokenize: bool) -> Response:
+        """Answered here with the routing tokenizer (the replicas' own): no replica is involved."""
+        arrived = time.monotonic()
+        self.keys.check(request.headers.get("authorization"))
+        body = await read_json_body(request, self.config.max_body_bytes)
+        req = parse_tokenize(body) if tokenize else parse_detokenize(body)
+        model = req.model
+        if model is None:  # optional, as in vLLM: fine while one model is served
+            served = [name for name, _ in await self.view.models()]
+            if len(served) > 1:
+                raise APIError(400, f"model: required when several models are served ({', '.join(served)})",
+                               "model")
+            model = served[0] if served else ""
+        _, max_model_len = await self.admission.admit(lambda: self.view.identity(model),
+                                                      self.config.request_timeout, arrived)
+        self.metrics.requests.labels("200").inc()
+        if tokenize:
+            return JSONResponse(await tokenize_request(req, self.tokenizer, max_model_len))
+        return JSONResponse(detokenize_request(req, self.tokenizer))
 
     async def _counted(self, handling) -> Response:
         """Count what the router answers itself; forwarded answers are counted by the proxy."""
@@ -138,10 +166,7 @@ class RouterService:
         """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""
         prepared = await prepare_async(req, self.tokenizer, max_model_len)
         if prepared.params.structured_outputs is not None:
-            try:
-                await self.grammars.compile_async(prepared.params.structured_outputs)
-            except InvalidRequestError as exc:
-                raise APIError.from_invalid(exc) from None
+            await compile_constraint(self.grammars, prepared.params.structured_outputs, prepared.tools)
         return prepared
 
     async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:

@@ -60,6 +60,15 @@ class _Group:
             SequenceStatus.FINISHED_ERROR, SequenceStatus.FINISHED_ABORTED))
 
 
+def best_of(outs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The n samples of highest cumulative logprob (OpenAI's and vLLM v0's best_of), renumbered 0..n-1.
+    Ties keep sample order, so the choice is deterministic."""
+    ranked = sorted(outs, key=lambda o: -o.cumulative_logprob)[:n]
+    for i, o in enumerate(ranked):
+        o.index = i
+    return ranked
+
+
 class SchedulerCore:
     def __init__(self, executor: Executor, tokenizer, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
@@ -115,6 +124,9 @@ class SchedulerCore:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise InvalidRequestError("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab})")
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise InvalidRequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
         if params.use_beam_search:
             beam_requests.check_capacity(n, params, self.max_model_len, self.info.block_size,
                                          self.info.num_kv_blocks - self.kv.watermark_blocks,
@@ -139,7 +151,8 @@ class SchedulerCore:
             # Masked out of sampling until min_tokens are out, so the request cannot end early at all.
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             req.min_tokens_banned = sorted(ends)
-        group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.n - 1), stream)
+        group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.num_sequences - 1),
+                       stream)
         if params.use_beam_search:
             group.beam = beam_requests.start(req, self.eos_ids, self.max_model_len)
             group.seqs = req.beam_group
@@ -327,8 +340,10 @@ class SchedulerCore:
             return
         if not first_append_done:
             req.token_ids.append(token)
-        if lp is not None and req.logprobs is not None:
-            req.logprobs.append(lp)
+        if lp is not None:
+            req.cumulative_logprob += lp.logprob
+            if req.logprobs is not None:
+                req.logprobs.append(lp)
         self.generation_tokens += 1
         params = req.params
         stop_str = req.detokenizer.add(token) if req.detokenizer is not None else None
@@ -357,7 +372,8 @@ class SchedulerCore:
         cached = 0
         for i, seq in enumerate(group.seqs):
             if seq is None:  # a sample that never forked: it ends with its request
-                outs.append(CompletionOutput(i, "", [], group.seqs[0].status.value if group.finished else None))
+                outs.append(CompletionOutput(i, "", [], group.seqs[0].status.value if group.finished else None,
+                                             cumulative_logprob=float("-inf")))
                 continue
             if seq.detokenizer is not None:
                 # Unfinished: only what can no longer turn into a stop string, so streams stay exact.
@@ -367,8 +383,11 @@ class SchedulerCore:
             else:
                 text = ""
             reason = seq.status.value if seq.is_finished else None
-            outs.append(CompletionOutput(i, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs))
+            outs.append(CompletionOutput(i, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs,
+                                         seq.cumulative_logprob))
             cached = max(cached, seq.num_cached_tokens)
+        if len(outs) > group.params.n:
+            outs = best_of(outs, group.params.n)
         out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
         if group.error is not None:
             out.error, out.error_kind = group.error, "request"

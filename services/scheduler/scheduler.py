@@ -161,10 +161,11 @@ class Scheduler:
             block_table=self.kv.block_ids[req.seq_id],
             sample=sample,
             sampling=req.spec,
-            num_samples=req.params.n if (sample and not req.forked) else 1,
+            num_samples=req.params.num_sequences if (sample and not req.forked) else 1,
             sample_index=req.sample_index,
             output_index=req.num_output_tokens,
             banned_token_ids=req.min_tokens_banned if sample and req.num_output_tokens < req.params.min_tokens else [],
+            penalties=req.penalty_spec() if sample and req.penalties is not None else None,
         )
 
     def _blocks_in_flight(self) -> set[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 from services.sampling_params import SamplingParams
-from services.step_protocol import SamplingSpec
+from services.step_protocol import PenaltySpec, SamplingSpec
 
 
 class SequenceStatus(enum.Enum):
@@ -43,7 +43,7 @@ class Sequence:
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
-                 "hash_root", "guide", "cum_logprob", "beam_candidates", "beam_group")
+                 "hash_root", "guide", "penalties", "cumulative_logprob", "beam_candidates", "beam_group")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -51,8 +51,10 @@ class Sequence:
         self.sample_index = sample_index
         self.seq_id = request_id if sample_index == 0 else f"{request_id}#{sample_index}"
         self.params = params
+        # best_of > n ranks its samples by cumulative logprob: the engine must return the sampled token's.
+        logprobs = params.logprobs if params.logprobs is not None or params.num_sequences == params.n else 0
         self.spec = SamplingSpec(params.effective_temperature, float(params.top_p), int(params.top_k),
-                                 params.seed, params.logprobs)
+                                 params.seed, logprobs)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -62,18 +64,20 @@ class Sequence:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, computed lazily
         self.logprobs: list | None = [] if params.logprobs is not None else None
-        self.forked = params.n == 1 or params.use_beam_search  # True once the n samples exist
+        self.forked = params.num_sequences == 1 or params.use_beam_search  # True once the n samples exist
         self.detokenizer = None
         self.num_preemptions = 0
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
         self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
         self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
-        # Beam search: the summed logprob of its output, the engine's top-K for its next token (until the
-        # search has used them), and the live beams of its request (one list, shared by all of them).
-        self.cum_logprob = 0.0
+        # Beam search: the engine's top-K for its next token (until the search has used them), and the live
+        # beams of its request (one list, shared by all of them); its score sums into cumulative_logprob.
         self.beam_candidates = None
         self.beam_group: list[Sequence] | None = None
         self.guide = None  # structured output: a SequenceGuide, advanced on each committed token (set by the core)
+        # The request's bias/penalties/min_p without history (None: it has none); see `penalty_spec`.
+        self.penalties = penalty_template(params, prompt_token_ids)
+        self.cumulative_logprob = 0.0  # of the sampled tokens (ranks best_of samples)
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +100,15 @@ class Sequence:
             raise AssertionError(f"{self.seq_id}: illegal transition {self.status.name} -> {new.name}")
         self.status = new
 
+    def penalty_spec(self) -> PenaltySpec | None:
+        """This step's PenaltySpec: the request's, with the tokens generated so far when a penalty reads them."""
+        p = self.penalties
+        if p is None or not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0):
+            return p
+        return PenaltySpec(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+                           p.bias_token_ids, p.bias_values, self.token_ids[self.num_prompt_tokens:],
+                           p.prompt_token_ids)
+
     def _sibling(self, sample_index: int, arrival: int, num_tokens: int) -> Sequence:
         """A sequence of the same request holding this one's first `num_tokens` tokens, already computed as
         far as this one is; the caller shares the KV blocks."""
@@ -110,6 +123,7 @@ class Sequence:
         child.hash_root = self.hash_root
         # The parent's guide has not advanced past the prompt yet: the child starts from the same state.
         child.guide = self.guide.clone() if self.guide is not None else None
+        child.penalties = self.penalties
         child.status = SequenceStatus.RUNNING
         return child
 
@@ -122,7 +136,7 @@ class Sequence:
     def branch(self, sample_index: int, arrival: int) -> Sequence:
         """A second beam continuing from this one's tokens so far (all computed); the caller shares the blocks."""
         child = self._sibling(sample_index, arrival, self.num_tokens)
-        child.cum_logprob = self.cum_logprob
+        child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.beam_group = self.beam_group
         return child
@@ -130,3 +144,17 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def penalty_template(params: SamplingParams, prompt_token_ids: list[int]) -> PenaltySpec | None:
+    """The PenaltySpec a request's rows carry, less the output history (None when it asks for none).
+    Greedy requests drop min_p: it never changes the argmax, and they keep the exact greedy path."""
+    min_p = params.min_p if params.effective_temperature > 0 else 0.0
+    if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+            or params.logit_bias or min_p):
+        return None
+    bias = params.logit_bias or {}
+    prompt = sorted(set(prompt_token_ids)) if params.repetition_penalty != 1.0 else []
+    return PenaltySpec(float(params.presence_penalty), float(params.frequency_penalty),
+                       float(params.repetition_penalty), float(min_p), list(bias), [float(b) for b in bias.values()],
+                       [], prompt)

@@ -89,3 +89,28 @@ def kv_usage(metrics_text: str) -> float:
         if line.startswith("pagedserve_kv_cache_usage_ratio "):
             return float(line.split()[1])
     raise AssertionError("pagedserve_kv_cache_usage_ratio not exported")
+
+
+def check_sampling_surface(c: openai.OpenAI, base_url: str) -> None:
+    """Penalties, logit_bias, min_p, best_of, echo, /tokenize and /detokenize end to end (the step
+    protocol's PenaltySpec crosses the real transport where the engine is a process of its own)."""
+    model = model_id(c)
+    tok = httpx.post(base_url + "/tokenize", json={"model": model, "prompt": " the"}, timeout=30).json()
+    forced = tok["tokens"][-1]
+    biased = c.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert biased.choices[0].text == httpx.post(base_url + "/detokenize", json={"tokens": [forced] * 4},
+                                                timeout=30).json()["prompt"]
+    kw = dict(model=model, prompt="tick tick tick", max_tokens=8, temperature=0.9, seed=4, frequency_penalty=1.5,
+              presence_penalty=0.5, extra_body={"repetition_penalty": 1.3, "min_p": 0.05, "ignore_eos": True})
+    whole = c.completions.create(**kw).choices[0].text
+    assert "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices) == whole
+    plain = c.completions.create(model=model, prompt="Hello there", max_tokens=3, temperature=0).choices[0].text
+    echoed = c.completions.create(model=model, prompt="Hello there", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Hello there" + plain
+    every = c.completions.create(model=model, prompt="Once", max_tokens=5, n=4, temperature=1.0, seed=3, logprobs=0,
+                                 extra_body={"ignore_eos": True})
+    best = c.completions.create(model=model, prompt="Once", max_tokens=5, n=2, best_of=4, temperature=1.0, seed=3,
+                                extra_body={"ignore_eos": True})
+    ranked = sorted(every.choices, key=lambda ch: -sum(ch.logprobs.token_logprobs))[:2]
+    assert [ch.text for ch in best.choices] == [ch.text for ch in ranked]

@@ -18,6 +18,7 @@ from services.ports import free_port_run
 from tests.e2e.openai_checks import (
     LONG_SYSTEM,
     check_chat_and_completions,
+    check_sampling_surface,
     check_stop_strings,
     client,
     kv_usage,
@@ -65,6 +66,7 @@ def test_openai_client_through_the_router(cluster):
     assert model_id(c) == "tiny"
     check_chat_and_completions(c)
     check_stop_strings(c)
+    check_sampling_surface(c, cluster.router_urls[0])
 
 
 def test_two_routers_send_a_prefix_to_the_same_replica(cluster):

@@ -12,7 +12,14 @@ import httpx
 import pytest
 
 from services.ports import free_port
-from tests.e2e.openai_checks import check_bad_input, check_chat_and_completions, check_stop_strings, client, kv_usage
+from tests.e2e.openai_checks import (
+    check_bad_input,
+    check_chat_and_completions,
+    check_sampling_surface,
+    check_stop_strings,
+    client,
+    kv_usage,
+)
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_scheduler")
@@ -69,6 +76,7 @@ def test_openai_client_against_serve(serve_url):
     c = client(serve_url)
     check_chat_and_completions(c)
     check_stop_strings(c)
+    check_sampling_surface(c, serve_url)
     check_bad_input(serve_url)
     metrics = httpx.get(serve_url + "/metrics").text
     for name in ("pagedserve_requests_waiting", "pagedserve_time_to_first_token_seconds_bucket",

@@ -117,3 +117,16 @@ def test_bad_constraints_are_400_naming_the_field(serve_url):
     for name in (M.GUIDED_COMPILES, M.GUIDED_CACHE_HITS, M.GUIDED_MASK_SECONDS, M.GUIDED_CONSTRAINED_ROWS,
                  M.SAMPLED_ROWS):
         assert re.search(rf"^{name} [0-9.e+]+$", metrics, re.M), name
+
+
+def test_bench_structured_checks_every_answer(serve_url):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "structured", "--endpoint", serve_url,
+                           "--num-requests", "10", "--concurrency", "4", "--max-tokens", "80"],
+                          capture_output=True, text=True, timeout=300)
+    # A random model may run a json_object or the whitespace trap to max_tokens (exit 1); never an invalid answer.
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    assert "INVALID" not in done.stderr and "| regex | 2 | 2 | 2 |" in done.stdout, done.stdout
+    assert "chat.completions.parse(response_format=Invoice): Invoice" in done.stdout

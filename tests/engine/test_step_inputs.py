@@ -19,7 +19,7 @@ from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.step_inputs import StepInputBuilder
 from services.engine.step_validation import StepLimits, find_faults
-from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
+from services.step_protocol import InvalidStepError, PenaltySpec, SchedulerOutput, StepFault
 
 LIMITS = StepLimits(block_size=16, num_kv_blocks=64, max_model_len=512, vocab_size=1000)
 
@@ -31,17 +31,20 @@ def builder() -> StepInputBuilder:
 def valid_step() -> SchedulerOutput:
     """Two decodes (the second sorts first by its first block), a fresh prompt, a continuation chunk
     and a fork of two samples."""
-    return SchedulerOutput(7, [
+    out = SchedulerOutput(7, [
         scheduled("d1", [5], 20, [9, 10]),
         scheduled("d2", [6], 16, [3, 4], temperature=0.7, top_p=0.9, top_k=50, seed=3, logprobs=2, banned=[2, 999]),
         scheduled("fresh", [11, 12, 13], 0, [20]),
         scheduled("chunk", list(range(100, 120)), 30, [30, 31, 32, 33], sample=False),
         scheduled("fork", [7, 8, 9, 10, 11], 0, [40], num_samples=2),
     ], blocks_to_copy=[(41, 42)])
+    out.sequences[1].penalties = PenaltySpec(0.5, -0.5, 1.2, 0.1, [3, 999], [-100.0, 2.5], [6, 6, 7], [1, 2])
+    return out
 
 
 def test_layout_is_what_the_kernels_read():
-    step = builder().build(valid_step())
+    out = valid_step()
+    step = builder().build(out)
     t = step.layout.tensors(step.host)
     assert step.num_decode == 2 and step.num_tokens == 2 + 3 + 20 + 5
     assert t.input_ids.tolist() == [6, 5, 11, 12, 13, *range(100, 120), 7, 8, 9, 10, 11]
@@ -61,6 +64,7 @@ def test_layout_is_what_the_kernels_read():
     assert step.owners == ["d2", "d1", "fresh", "fork", "fork"]
     assert [r.sample_index for r in step.rows] == [0, 0, 0, 0, 1]
     assert step.rows[0].banned == [2, 999] and step.rows[1].banned == []
+    assert step.rows[0].penalties is out.sequences[1].penalties and step.rows[1].penalties is None
     assert (t.copy_src.tolist(), t.copy_dst.tolist()) == ([41], [42])
     assert step.prefill_spans == [(0, 3, 3), (3, 23, 50), (23, 28, 5)]
     assert (step.decode_max_context_len, step.prefill_max_query_len, step.prefill_max_context_len) == (21, 20, 50)
@@ -72,6 +76,14 @@ def mutate(field: str, value, seq: int = 0) -> SchedulerOutput:
     s = out.sequences[seq]
     if field.startswith("sampling."):
         setattr(s.sampling, field.split(".", 1)[1], value)
+    elif field.startswith("penalties."):
+        name = field.split(".", 1)[1]
+        if s.penalties is None:
+            s.penalties = PenaltySpec(0.5, -0.5, 1.2, 0.1, [3], [1.0], [6], [1])
+        if name.endswith("[0]"):
+            getattr(s.penalties, name[:-3])[0] = value
+        else:
+            setattr(s.penalties, name, value)
     elif field == "token_ids[0]":
         s.token_ids[0] = value
     elif field == "block_table[0]":
@@ -103,12 +115,25 @@ BAD = [
     ("banned_token_ids", None, "banned_token_ids"), ("banned_token_ids", list(range(1001)), "banned_token_ids"),
     ("token_bitmask", b"\xff" * 127, "token_bitmask"), ("token_bitmask", b"\xff" * 132, "token_bitmask"),
     ("token_bitmask", "\xff" * 128, "token_bitmask"), ("token_bitmask", [-1] * 32, "token_bitmask"),
+    ("penalties.presence_penalty", 2.5, "penalties.presence_penalty"),
+    ("penalties.frequency_penalty", math.nan, "penalties.frequency_penalty"),
+    ("penalties.repetition_penalty", 0.0, "penalties.repetition_penalty"),
+    ("penalties.repetition_penalty", math.inf, "penalties.repetition_penalty"),
+    ("penalties.min_p", 1.5, "penalties.min_p"), ("penalties.min_p", "0", "penalties.min_p"),
+    ("penalties.bias_token_ids[0]", 1000, "penalties.bias_token_ids"),
+    ("penalties.bias_token_ids", list(range(301)), "penalties.bias_token_ids"),
+    ("penalties.bias_values[0]", 101.0, "penalties.bias_values"),
+    ("penalties.bias_values", [1.0], "penalties.bias_values"),
+    ("penalties.output_token_ids[0]", -1, "penalties.output_token_ids"),
+    ("penalties.output_token_ids", list(range(513)), "penalties.output_token_ids"),
+    ("penalties.prompt_token_ids[0]", 1000, "penalties.prompt_token_ids"),
+    ("penalties.prompt_token_ids", None, "penalties.prompt_token_ids"),
 ]
 
 
 @pytest.mark.parametrize("field,value,named", BAD, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD)])
 def test_a_bad_field_names_its_sequence_and_field(field, value, named):
-    seq = 1 if field.startswith("sampling") else 0  # d2 samples with every parameter set
+    seq = 1 if field.startswith(("sampling", "penalties")) else 0  # d2 samples with every parameter set
     out = mutate(field, value, seq)
     with pytest.raises(InvalidStepError) as info:
         builder().build(out)
@@ -158,7 +183,9 @@ HOSTILE = st.sampled_from([
 FIELDS = st.sampled_from(["token_ids[0]", "block_table[0]", "start_pos", "sample", "num_samples", "sample_index",
                           "output_index", "sampling.temperature", "sampling.top_p", "sampling.top_k",
                           "sampling.seed", "sampling.logprobs", "token_ids", "block_table", "seq_id",
-                          "banned_token_ids", "token_bitmask"])
+                          "banned_token_ids", "token_bitmask", "penalties.presence_penalty",
+                          "penalties.repetition_penalty", "penalties.min_p", "penalties.bias_token_ids[0]",
+                          "penalties.bias_values[0]", "penalties.output_token_ids[0]", "penalties.prompt_token_ids"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,8 +16,13 @@ BOUNDARY_FLOATS = [0.0, -0.0, 1e-320, 5e-324, 1e-50, 1e-6, 1e-5, 0.5, 1.0, 1.000
                    float("inf"), float("-inf"), float("nan")]
 INT_FIELDS = ["max_tokens", "top_k", "n", "seed", "min_tokens", "logprobs", "top_logprobs",
               "max_completion_tokens", "best_of"]
-FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                 "length_penalty"]
+# Ranges of the sampling fields, with their edges (min_p, penalties, logit_bias values).
+EDGE_FLOATS = [-100.0, -100.0001, 100.0, 100.5, -2.0, -2.0001, 2.0001, 0.01, 0.0099, 100.0001, 1e-9]
+# logit_bias keys: token ids as decimal strings, and everything that is not one.
+BIAS_KEYS = ["0", "5", "05", "-1", "49151", "49152", "2147483648", "abc", "", " 5", "\u0663", "1e3", "\ud800",
+             "9" * 12, "9" * 13]
 HOSTILE_STRINGS = ["", "x", "\ud800", "a\udfffb", "\x00", "é" * 3, "😀", "<|im_end|>", "x" * 2000]
 
 json_leaf = st.one_of(st.none(), st.booleans(), st.sampled_from(BOUNDARY_INTS), st.sampled_from(BOUNDARY_FLOATS),
@@ -68,6 +73,34 @@ constraint_values = {
 }
 
 
+logit_biases = st.one_of(
+    st.dictionaries(st.sampled_from(BIAS_KEYS),
+                    st.one_of(st.sampled_from(EDGE_FLOATS), st.sampled_from(BOUNDARY_FLOATS), json_leaf), max_size=5),
+    st.integers(290, 310).map(lambda n: {str(i): 1.0 for i in range(n)}), json_value)
+
+
+@st.composite
+def tokenize_bodies(draw, model: str = MODEL) -> tuple[str, dict]:
+    """(path, body) for vLLM's /tokenize (prompt or messages) and /detokenize."""
+    path = draw(st.sampled_from(["/tokenize", "/detokenize"]))
+    body: dict = {}
+    if draw(st.booleans()):
+        body["model"] = draw(st.one_of(st.just(model), st.sampled_from(["other", "\ud800", 5])))
+    if path == "/detokenize":
+        body["tokens"] = draw(st.one_of(st.lists(st.sampled_from(BOUNDARY_INTS), max_size=6), json_value))
+    elif draw(st.booleans()):
+        body["prompt"] = draw(st.one_of(st.text(max_size=30), st.sampled_from(HOSTILE_STRINGS), json_value))
+        for name in draw(st.lists(st.sampled_from(["add_special_tokens", "return_token_strs"]), max_size=2)):
+            body[name] = draw(st.one_of(st.booleans(), json_leaf))
+    else:
+        content = draw(st.one_of(st.text(min_size=1, max_size=30), st.sampled_from(HOSTILE_STRINGS), json_value))
+        body["messages"] = draw(st.one_of(st.just([{"role": "user", "content": content}]), json_value))
+        for name in draw(st.lists(st.sampled_from(["add_generation_prompt", "return_token_strs", "extra"]),
+                                  max_size=2)):
+            body[name] = draw(st.one_of(st.booleans(), json_leaf))
+    return path, body
+
+
 @st.composite
 def bodies(draw, model: str = MODEL):
     chat = draw(st.booleans())
@@ -92,7 +125,11 @@ def bodies(draw, model: str = MODEL):
     for name in draw(st.lists(st.sampled_from(INT_FIELDS), max_size=3)):
         body[name] = draw(st.one_of(st.sampled_from(BOUNDARY_INTS), json_leaf))
     for name in draw(st.lists(st.sampled_from(FLOAT_FIELDS), max_size=3)):
-        body[name] = draw(st.one_of(st.sampled_from(BOUNDARY_FLOATS), json_leaf))
+        body[name] = draw(st.one_of(st.sampled_from(BOUNDARY_FLOATS), st.sampled_from(EDGE_FLOATS), json_leaf))
+    if draw(st.integers(0, 5)) == 0:
+        body["logit_bias"] = draw(logit_biases)
+    if not chat and draw(st.integers(0, 5)) == 0:
+        body["echo"] = draw(st.one_of(st.booleans(), json_leaf))
     if chat and draw(st.integers(0, 2)) == 0:
         body.update(draw(tool_fields))
     if draw(st.booleans()):

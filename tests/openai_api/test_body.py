@@ -26,6 +26,9 @@ class FakeTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
         return [1] + [ord(c) % self.vocab_size for m in messages for c in m["content"]] + [2]
 
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in token_ids)
+
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bodies())
 def test_any_body_is_prepared_or_a_4xx_naming_a_field(case):
@@ -47,6 +50,11 @@ def test_any_body_is_prepared_or_a_4xx_naming_a_field(case):
     assert p.seed is None or -(2**63) <= p.seed < 2**63
     assert all(0 <= t < FakeTokenizer.vocab_size for prompt in prepared.prompts for t in prompt)
     assert p.top_k <= FakeTokenizer.vocab_size and p.max_tokens + max(map(len, prepared.prompts)) <= MAX_LEN
+    assert -2 <= p.presence_penalty <= 2 and -2 <= p.frequency_penalty <= 2 and 0.01 <= p.repetition_penalty <= 100
+    assert 0 <= p.min_p <= 1 and p.n <= p.num_sequences <= 128
+    assert all(0 <= t < FakeTokenizer.vocab_size and -100 <= b <= 100 for t, b in (p.logit_bias or {}).items())
+    assert len(p.logit_bias or {}) <= 300
+    assert prepared.echo is None or len(prepared.echo) == len(prepared.prompts)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.openai_api.tool_grammar import tool_grammar
+from services.openai_api.tool_grammar import MAX_CALLS, tool_grammar
 from services.openai_api.tool_prompt import ToolUse, render_call
 
 llguidance = pytest.importorskip("llguidance")
@@ -46,6 +46,8 @@ def test_required_takes_one_or_more_calls_and_nothing_else(accepts):
     assert not accepts(use("required"), render_call("get_weather", '{"town": "Paris"}'))  # off the schema
     assert not accepts(use("required"), render_call("rm", '{}'))
     assert not accepts(use("required", parallel=False), PARIS + "\n" + SUM)
+    assert accepts(use("required"), "\n".join([PARIS] * MAX_CALLS))
+    assert not accepts(use("required"), "\n".join([PARIS] * (MAX_CALLS + 1)))  # a bounded answer
     assert accepts(use("required", parallel=False), PARIS)
 
 

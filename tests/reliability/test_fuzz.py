@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.ports import free_port
-from tests.openai_api.hostile_bodies import bodies, responses_bodies, serialise
+from tests.openai_api.hostile_bodies import bodies, responses_bodies, serialise, tokenize_bodies
 
 pytestmark = pytest.mark.reliability
 
@@ -86,8 +86,24 @@ def fuzz(url: str, model: str, examples: int) -> dict:
         else:
             seen["2xx"] += 1
 
+    @settings(max_examples=max(10, examples // 5), deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @given(case=tokenize_bodies(model))
+    def one_tokenize(case):
+        path, body = case
+        try:
+            r = client.post(url + path, content=serialise(body), headers={"content-type": "application/json"})
+        except httpx.TimeoutException:
+            raise AssertionError(f"hung on {path} {body!r:.200}") from None
+        assert r.status_code < 500, f"{r.status_code} for {path} {body!r:.300}: {r.text[:300]}"
+        seen["tokenize"] += 1
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"], r.text
+
+    seen["tokenize"] = 0
     try:
         one()
+        one_tokenize()
     finally:
         client.close()
     return seen

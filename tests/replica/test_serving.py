@@ -146,7 +146,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 400}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -2.01}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"05": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 1, "n": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     # The poison values of issue 14: each once ended a replica's every request, or was a 500.
@@ -166,8 +176,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 10_000}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 200, "n": 8}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     *[("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}, 400, param)
       for extra, param in TOOL_MISTAKES],
@@ -206,6 +214,8 @@ ACCEPTED_EXTREMES = [
     {"seed": -(2**63)}, {"seed": 2**63 - 1}, {"response_format": {"type": "text"}}, {"tool_choice": "none"},
     {"stream_options": {"include_usage": True}, "stream": True}, {"include_stop_str_in_output": True},
     {"cache_salt": "tenant-a"}, {"user": "u1", "metadata": {"k": "v"}}, {"response_format": {"type": "json_object"}},
+    {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 100.0},
+    {"repetition_penalty": 0.01}, {"min_p": 1.0}, {"logit_bias": {"0": -100, "49151": 100}},
 ]
 
 
@@ -300,3 +310,33 @@ def test_a_full_queue_is_a_503_with_retry_after_and_room_comes_back(api):
             time.sleep(0.02)
         assert engine.held == 0
         assert client.post(url + "/v1/completions", json={**body, "n": 3, "stream": False}).status_code == 200
+
+
+def test_echo_prepends_the_prompt_streamed_or_not_and_best_of_is_admitted(api):
+    _, url = api
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    whole = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=3, echo=True)
+    assert [c.text for c in whole.choices] == ["Hello alpha beta gamma", "Bye alpha beta gamma"]
+    streamed: dict[int, str] = {}
+    for ch in client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=3, echo=True, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: whole.choices[0].text, 1: whole.choices[1].text}
+    best = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=1, best_of=3, presence_penalty=1,
+                                     frequency_penalty=-1, logit_bias={"5": -100}, extra_body={"min_p": 0.1,
+                                                                                             "repetition_penalty": 1.2})
+    assert len(best.choices) == 1
+
+
+def test_tokenize_and_detokenize_on_the_replica(api, smol_tokenizer):
+    _, url = api
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    ids = smol_tokenizer.encode("Hello world")
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                                                 "token_strs": smol_tokenizer.token_strings(ids)}
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == smol_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello world"}
+    assert httpx.post(url + "/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+    bad = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "x", "add_special_tokens": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens"

@@ -17,6 +17,7 @@ from services.replica.app import create_replica_app
 from services.replica.metrics import SchedulerMetrics
 from services.replica.serving import OpenAIServing, ServingConfig
 from services.scheduler.request_output import CompletionOutput, RequestOutput
+from services.structured_output.compiler import GrammarCompiler
 from tests.conftest import AppServer
 
 MODEL = "tiny"
@@ -71,10 +72,13 @@ class TextEngine:
 @pytest.fixture(scope="module")
 def api(smol_tokenizer):
     engine = TextEngine(smol_tokenizer)
-    serving = OpenAIServing(engine, smol_tokenizer, ServingConfig(MODEL, 4096), SchedulerMetrics(lambda: None))
+    grammars = GrammarCompiler(smol_tokenizer.fast.to_str(), smol_tokenizer.vocab_size)
+    serving = OpenAIServing(engine, smol_tokenizer, ServingConfig(MODEL, 4096), SchedulerMetrics(lambda: None),
+                            grammars)
     app = create_replica_app(serving, SchedulerMetrics(lambda: None), lambda: {"healthy": True})
     with AppServer(app) as server:
         yield engine, server.url
+    grammars.close()
 
 
 @pytest.fixture
@@ -202,6 +206,8 @@ RESPONSES_MISTAKES = [
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"input": []}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/nowhere"}}}}}}, "text.format.schema"),
 ]
 
 
@@ -240,3 +246,18 @@ def test_the_openai_agents_sdk_completes_a_tool_loop(api, client, api_kind):
 
     result = asyncio.run(run())
     assert seen == ["Paris"] and result.final_output == "It is sunny in Paris."
+
+
+def test_parameters_that_cannot_compile_are_a_400_naming_that_tool(api):
+    _, url = api
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}}}
+    for path, body, param in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, bad]},
+         "tools.1.function.parameters"),
+        ("/v1/responses", {"input": "x", "tools": [{"type": "function", **WEATHER["function"]},
+                                                   {"type": "function", **bad["function"]}]}, "tools.1.parameters"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                                  "response_format": {"type": "json_object"}}, "response_format")]:
+        r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

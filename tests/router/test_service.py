@@ -230,3 +230,18 @@ def test_responses_are_routed_as_the_chat_they_render_to_and_bad_ones_stop_at_th
             resp = httpx.post(r.url + "/v1/responses", json={**body, **bad}, timeout=20)
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
         assert fakes.who() == {"a": 0, "b": 1}
+
+
+def test_tokenize_and_detokenize_are_answered_by_the_router(tokenizer, redis_server):
+    with FakeReplicas(redis_server.url, ["a"]) as fakes, make_router(tokenizer, redis_server.url) as r:
+        ids = tokenizer.encode("Where is parcel 1?")
+        for body in ({"model": MODEL, "prompt": "Where is parcel 1?"}, {"prompt": "Where is parcel 1?"}):
+            resp = httpx.post(r.url + "/tokenize", json=body, timeout=10)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["tokens"] == ids and resp.json()["count"] == len(ids)
+        back = httpx.post(r.url + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=10)
+        assert back.json() == {"prompt": "Where is parcel 1?"}
+        assert httpx.post(r.url + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
+        bad = httpx.post(r.url + "/detokenize", json={"model": MODEL, "tokens": [10**6]}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert fakes.who() == {"a": 0}  # no replica was involved

@@ -1,0 +1,68 @@
+"""The router's prefix index on a real redis-server: what one decision costs in Redis commands does not
+depend on the number of replicas, and dead replicas' entries cost nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+
+from services.registry.model import BlockDelta, ReplicaInfo, ReplicaLoad, ReplicaState
+from services.registry.redis_sink import RedisSink, connect
+from services.router.redis_index import RedisIndex
+
+
+def commands(url: str) -> int:
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k.startswith("cmdstat_") and k != "cmdstat_info")
+
+
+async def fleet(url: str, n: int, prompt: list[int]) -> tuple[dict[str, int], int]:
+    """n replicas hold the prompt's first 4 blocks, replica-0 its first 40; one decision's matches and
+    the Redis commands it took."""
+    client = connect(url)
+    sink = RedisSink(client)
+    for i in range(n):
+        rid = f"replica-{i}"
+        await sink.write_blocks(rid, BlockDelta(stored=set(prompt[:40] if i == 0 else prompt[:4])), ttl=60)
+        await sink.write_state(ReplicaState(ReplicaInfo(rid, "http://x", "m", 16, 4096, 8, 1), ReplicaLoad()), 60)
+    index = RedisIndex(client)
+    await index.snapshot([])  # records are read in the background, not per decision
+    before = commands(url)
+    states = await index.snapshot(prompt)
+    used = commands(url) - before
+    await index.close()
+    await client.aclose()
+    return {s.info.replica_id: s.matched_blocks for s in states}, used
+
+
+def test_a_decision_costs_the_same_commands_for_3_or_300_replicas(redis_server):
+    prompt = list(range(1000, 1064))  # 64 block hashes
+    small, small_cost = asyncio.run(fleet(redis_server.url, 3, prompt))
+    redis_server.flush()
+    big, big_cost = asyncio.run(fleet(redis_server.url, 100, prompt))
+    assert small == {"replica-0": 40, "replica-1": 4, "replica-2": 4}
+    assert big["replica-0"] == 40 and len(big) == 100
+    assert big_cost == small_cost  # O(prompt blocks), whatever the fleet
+
+
+def test_dead_and_superseded_generations_are_ignored(redis_server):
+    async def scenario():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        hashes = list(range(1, 33))
+        info = ReplicaInfo("a", "http://a", "m", 16, 4096, 8, 1)
+        await sink.write_blocks("a", BlockDelta(stored=set(hashes)), ttl=60)
+        await sink.write_state(ReplicaState(info, ReplicaLoad()), ttl=0.3)
+        await sink.write_blocks("b", BlockDelta(stored=set(hashes[:8])), ttl=60)
+        await sink.write_state(ReplicaState(ReplicaInfo("b", "http://b", "m", 16, 4096, 8, 1), ReplicaLoad()), 60)
+        index = RedisIndex(client, record_refresh=0)
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)} == {"a": 32, "b": 8}
+        await asyncio.sleep(0.5)  # a died: its record expired, its entries are still there
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)} == {"b": 8}
+        await sink.replace_blocks("b", set(hashes[:2]), ttl=60)  # b resynced: a new generation
+        await sink.write_state(ReplicaState(ReplicaInfo("b", "http://b", "m", 16, 4096, 8, 1), ReplicaLoad()), 60)
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)} == {"b": 2}
+        await client.aclose()
+
+    asyncio.run(scenario())
