@@ -45,10 +45,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # prefix-cache isolation: blocks of different salts never match
-    # Beam search (vLLM's extension): n beams, scored as transformers' generate(num_beams=n) does.
-    use_beam_search: bool = False
-    length_penalty: float = 1.0  # finished beams score cumulative logprob / generated_tokens ** length_penalty
-    early_stopping: bool | str = False  # True, False or "never", as in transformers
     # vLLM's penalties: presence/frequency over the tokens generated so far, repetition over prompt + output.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -56,6 +52,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's [-100, 100])
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely token's
     best_of: int | None = None  # generate best_of samples, return the n with the highest cumulative logprob
+    # Beam search (vLLM's extension): n beams, scored as transformers' generate(num_beams=n) does.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # finished beams score cumulative logprob / generated_tokens ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
     # Guided decoding: every sample's output is constrained to this JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -160,6 +160,15 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens", "is not supported with beam search")
         if self.stop_strings:
             raise InvalidRequestError("stop", "stop strings are not supported with beam search (stop_token_ids are)")
+        if self.structured_outputs is not None:
+            raise InvalidRequestError("structured_outputs", "is not supported with beam search")
+        if (self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_p
+                or self.logit_bias):
+            name = next(n for n in ("presence_penalty", "frequency_penalty", "min_p", "logit_bias")
+                        if getattr(self, n)) if self.repetition_penalty == 1.0 else "repetition_penalty"
+            raise InvalidRequestError(name, "is not supported with beam search (it ranks the raw logprobs)")
+        if self.best_of not in (None, self.n):
+            raise InvalidRequestError("best_of", "is not supported with beam search (n is the beam width)")
 
     def _validate_logits_processors(self, is_int, is_num) -> None:
         lo, hi = self.PENALTY_RANGE

@@ -55,7 +55,7 @@ def advance(search: BeamSearch, group: list[Sequence], kv: KVCacheManager, sched
     """One step of the search applied to the live beams `group` (their shared list, updated in place);
     `branch(parent)` makes a new sequence continuing `parent`. Returns the tokens the beams gained."""
     live = list(group)
-    cands = [BeamCandidates(s.cum_logprob, s.beam_candidates) for s in live]
+    cands = [BeamCandidates(s.cumulative_logprob, s.beam_candidates) for s in live]
     conts = search.step(cands, live[0].num_output_tokens, [(s.output_token_ids, s.logprobs) for s in live])
     nxt: list[Sequence | None] = [None] * len(conts)
     first: dict[int, int] = {}
@@ -71,7 +71,7 @@ def advance(search: BeamSearch, group: list[Sequence], kv: KVCacheManager, sched
         nxt[j] = live[parent]  # after the branches: they copied its tokens before this one's new token
     for seq, c in zip(nxt, conts, strict=True):
         seq.token_ids.append(c.token)
-        seq.cum_logprob = c.cum_logprob
+        seq.cumulative_logprob = c.cum_logprob
         if seq.logprobs is not None:
             seq.logprobs.append(search.chosen(cands[c.parent].top, c.logprob))
     for i, seq in enumerate(live):
@@ -95,7 +95,7 @@ def completions(search: BeamSearch, live: list[Sequence], params: SamplingParams
         if len(outs) < params.n:
             reason = seq.status.value if seq.is_finished else None
             outs.append(CompletionOutput(len(outs), "", seq.output_token_ids, reason, None, seq.logprobs,
-                                         cumulative_logprob=seq.cum_logprob))
+                                         cumulative_logprob=seq.cumulative_logprob))
     while len(outs) < params.n:
         outs.append(CompletionOutput(len(outs), "", [], "abort" if request_finished else None))
     return outs

@@ -15,7 +15,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float = 0.0  # of the sampled tokens, where they were computed (best_of, logprobs)
+    cumulative_logprob: float = 0.0  # of the sampled tokens, where they were computed (best_of, logprobs, beam search)
 
 
 @dataclass

@@ -43,8 +43,7 @@ class Sequence:
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
-                 "hash_root", "cum_logprob", "beam_candidates", "beam_group", "guide", "penalties",
-                 "cumulative_logprob")
+                 "hash_root", "guide", "penalties", "cumulative_logprob", "beam_candidates", "beam_group")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -65,15 +64,14 @@ class Sequence:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, computed lazily
         self.logprobs: list | None = [] if params.logprobs is not None else None
-        self.forked = params.num_sequences == 1 or params.use_beam_search  # True once the n (or best_of) samples exist
+        self.forked = params.num_sequences == 1 or params.use_beam_search  # True once the n samples exist
         self.detokenizer = None
         self.num_preemptions = 0
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
         self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
         self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
-        # Beam search: the summed logprob of its output, the engine's top-K for its next token (until the
-        # search has used them), and the live beams of its request (one list, shared by all of them).
-        self.cum_logprob = 0.0
+        # Beam search: the engine's top-K for its next token (until the search has used them), and the live
+        # beams of its request (one list, shared by all of them); its score sums into cumulative_logprob.
         self.beam_candidates = None
         self.beam_group: list[Sequence] | None = None
         self.guide = None  # structured output: a SequenceGuide, advanced on each committed token (set by the core)
@@ -138,7 +136,7 @@ class Sequence:
     def branch(self, sample_index: int, arrival: int) -> Sequence:
         """A second beam continuing from this one's tokens so far (all computed); the caller shares the blocks."""
         child = self._sibling(sample_index, arrival, self.num_tokens)
-        child.cum_logprob = self.cum_logprob
+        child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.beam_group = self.beam_group
         return child

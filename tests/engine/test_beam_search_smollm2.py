@@ -14,7 +14,8 @@ from tests.engine.conftest import hf_greedy
 pytestmark = pytest.mark.slow
 
 EOS = 2  # SmolLM2's <|im_end|> / end of text, also its pad token
-MAX_TOKENS = 12
+MAX_TOKENS = 10
+GREEDY_TOKENS = 24
 
 
 def _prompts(tok) -> list[list[int]]:
@@ -37,8 +38,7 @@ def hf_beams(model, prompt: list[int], width: int, length_penalty: float, early_
     return beams
 
 
-@pytest.mark.parametrize("width,length_penalty,early_stopping", [
-    (2, 1.0, False), (4, 1.0, False), (2, 0.5, True), (4, 1.5, "never"), (4, -1.0, True)])
+@pytest.mark.parametrize("width,length_penalty,early_stopping", [(2, 1.0, False), (4, 0.5, True), (4, 1.5, "never")])
 def test_beam_search_equals_transformers(smollm2_fp32, hf_smollm2, width, length_penalty, early_stopping):
     llm = smollm2_fp32
     prompts = _prompts(llm.tokenizer)
@@ -56,16 +56,17 @@ def test_beam_search_equals_transformers(smollm2_fp32, hf_smollm2, width, length
 
 
 def test_beams_beside_ordinary_requests_under_preemption(hf_smollm2):
-    """Two beam searches (width 4) and two greedy requests share a pool of 24 blocks of 16 tokens:
-    the beams are preempted and recomputed, and everything still equals transformers run alone."""
-    llm = LLM(dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=True)
+    """A beam search (width 4) beside a greedy request in a pool of 10 blocks of 16 tokens: the beams are
+    preempted and recomputed, and both still equal transformers run alone."""
+    llm = LLM(dtype="float32", num_kv_blocks=10, max_num_batched_tokens=64, enable_prefix_caching=True)
     tok = llm.tokenizer
-    prompts = _prompts(tok)
-    greedy_prompts = [tok.encode("Once upon a time, " * 20), tok.encode("List of prime numbers: 2, 3, 5, " * 8)]
-    ids = [llm.core.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-           or f"g{i}" for i, p in enumerate(greedy_prompts)]
+    prompts = _prompts(tok)[:1]
+    greedy_prompts = [tok.encode("Once upon a time, " * 20)]
+    for i, p in enumerate(greedy_prompts):
+        llm.core.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
     beam = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS).to_sampling_params()
-    ids += [llm.core.add_request(f"b{i}", p, beam) or f"b{i}" for i, p in enumerate(prompts[:2])]
+    for i, p in enumerate(prompts):
+        llm.core.add_request(f"b{i}", p, beam)
     done, beams_preempted = {}, False
     while llm.core.has_unfinished():
         for out in llm.core.step():
@@ -73,10 +74,10 @@ def test_beams_beside_ordinary_requests_under_preemption(hf_smollm2):
                 done[out.request_id] = out
         llm.core.pool.check_invariants()
         beams_preempted |= any(s.request_id[0] == "b" and s.num_preemptions for s in llm.core.scheduler.waiting)
-    assert set(done) == set(ids)
+    assert set(done) == {"g0", "b0"}
     assert beams_preempted
     assert llm.core.pool.num_in_use == 0 and llm.core.pool.num_free == llm.core.pool.num_blocks
     for i, p in enumerate(greedy_prompts):
-        assert done[f"g{i}"].outputs[0].token_ids == hf_greedy(hf_smollm2, p, 48)
-    for i, p in enumerate(prompts[:2]):
+        assert done[f"g{i}"].outputs[0].token_ids == hf_greedy(hf_smollm2, p, GREEDY_TOKENS)
+    for i, p in enumerate(prompts):
         assert [c.token_ids for c in done[f"b{i}"].outputs] == hf_beams(hf_smollm2, p, 4, 1.0, False)

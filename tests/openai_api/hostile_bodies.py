@@ -16,7 +16,8 @@ BOUNDARY_FLOATS = [0.0, -0.0, 1e-320, 5e-324, 1e-50, 1e-6, 1e-5, 0.5, 1.0, 1.000
                    float("inf"), float("-inf"), float("nan")]
 INT_FIELDS = ["max_tokens", "top_k", "n", "seed", "min_tokens", "logprobs", "top_logprobs",
               "max_completion_tokens", "best_of"]
-FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"]
+FLOAT_FIELDS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                "length_penalty"]
 # Ranges of the sampling fields, with their edges (min_p, penalties, logit_bias values).
 EDGE_FLOATS = [-100.0, -100.0001, 100.0, 100.5, -2.0, -2.0001, 2.0001, 0.01, 0.0099, 100.0001, 1e-9]
 # logit_bias keys: token ids as decimal strings, and everything that is not one.
@@ -133,7 +134,8 @@ def bodies(draw, model: str = MODEL):
         body.update(draw(tool_fields))
     if draw(st.booleans()):
         body[draw(st.sampled_from(["stop", "stop_token_ids", "stream", "stream_options", "ignore_eos", "tools",
-                                   "response_format", "logit_bias", "cache_salt", "unknown_field", "echo"]))] = \
+                                   "response_format", "logit_bias", "cache_salt", "unknown_field", "echo",
+                                   "use_beam_search", "early_stopping"]))] = \
             draw(json_value)
     if draw(st.integers(0, 3)) == 0:
         name = draw(st.sampled_from(sorted(constraint_values)))

@@ -124,6 +124,8 @@ def test_beam_search_follows_transformers_ranking_rules():
     ({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"),
     ({"seed": 3}, "seed"), ({"min_tokens": 2}, "min_tokens"), ({"stop": ["x"]}, "stop"),
     ({"length_penalty": float("nan")}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"logit_bias": {5: 1.0}}, "logit_bias"), ({"best_of": 3}, "best_of"),
 ])
 def test_bad_combinations_are_refused_naming_the_field(kw, field):
     params = dict(n=2, temperature=0, max_tokens=4, use_beam_search=True)
