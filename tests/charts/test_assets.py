@@ -178,7 +178,9 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
     from services.router.metrics import RouterMetrics
     from services.scheduler.request_output import SchedulerStats
 
-    stats = SchedulerStats(**{f.name: 1 for f in dataclasses.fields(SchedulerStats) if f.init})
+    # Every plain counter 1; nested stats (the structured-output counters) keep their own type, all ones too.
+    stats = SchedulerStats(**{f.name: 1 for f in dataclasses.fields(SchedulerStats) if f.init and f.name != "guided"})
+    stats.guided = type(stats.guided)(**{f.name: 1 for f in dataclasses.fields(stats.guided) if f.init})
     scheduler = SchedulerMetrics(lambda: stats)
     timer = scheduler.timer()
     timer.tokens_now(1)
