@@ -78,10 +78,13 @@ def cpu_gemm_choice() -> str:
 
 def _packing_works(dtype: torch.dtype) -> bool:
     try:
-        w = torch.randn(32, 16, dtype=dtype)
-        x = torch.randn(4, 16, dtype=dtype)
+        # Small integers: every product and sum is exact in half precision, so the probe compares exactly
+        # and cannot fail on rounding (random normals failed it by chance, depending on the RNG state).
+        g = torch.Generator().manual_seed(0)
+        w = torch.randint(-2, 3, (32, 16), generator=g).to(dtype)
+        x = torch.randint(-2, 3, (4, 16), generator=g).to(dtype)
         got = PackedLinear(w, None, 4)(x)
-        return bool(torch.allclose(got.float(), F.linear(x, w).float(), atol=1e-2, rtol=1e-2))
+        return bool(torch.equal(got.float(), F.linear(x.float(), w.float())))
     except Exception as e:  # an older torch or a CPU without oneDNN's bf16 path
         log.info("oneDNN weight packing unavailable (%s); using F.linear", e)
         return False
