@@ -172,7 +172,9 @@ static void silu_mul_kernel(const T* gu, T* out, int64_t rows, int64_t inter, in
 #endif
       for (; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
-        o[i] = static_cast<T>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+        // Capped as above: GCC vectorizes this loop too (AVX2 machines take it for every element), and
+        // with -ffast-math x / (1 + inf) became inf * 0 = NaN at x = -100.
+        o[i] = static_cast<T>(x / (1.f + std::exp(std::min(-x, 88.f))) * static_cast<float>(u[i]));
       }
     }
   });
