@@ -118,7 +118,8 @@ class ContiguousKVManager:
         pass
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        raise NotImplementedError("contiguous reservations are never shared (n > 1 is rejected at validation)")
+        # Unreachable by construction: validation refuses n > 1 and beam search for these systems.
+        raise AssertionError("contiguous reservations are never shared (n > 1 is rejected at validation)")
 
     def free(self, req: Sequence) -> None:
         self.tables.pop(req.seq_id, None)
