@@ -35,6 +35,7 @@ from tests.chart_e2e.fake_apiserver import FakeApiServer
 from tests.chart_e2e.images import build_images
 from tests.chart_e2e.kubelet import Pod
 from tests.charts.chart_render import CHART, NAMESPACE, RELEASE, render
+from tests.proc_children import cmdline, descendant_pids
 
 HERE = Path(__file__).parent
 VALUES = ("-f", str(CHART / "ci" / "cpu-values.yaml"), "-f", str(HERE / "values.yaml"))
@@ -127,12 +128,6 @@ def router_gauge(cluster: Cluster, name: str) -> float:
     return total
 
 
-def process_tree(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    kids = [int(p) for p in children.read_text().split()] if children.exists() else []
-    return [pid] + [d for k in kids for d in process_tree(k)]
-
-
 def test_cold_start_then_every_pod_ready_and_helm_test_passes(release):
     cluster = release
     started = time.monotonic()
@@ -160,8 +155,9 @@ def test_cold_start_then_every_pod_ready_and_helm_test_passes(release):
     # Secrets reach processes as env and files only: none is on a command line.
     secrets = [key, cluster.object_data("Secret", f"{FULLNAME}-redis")["redis-password"].decode(),
                internal_token(cluster)]
-    pids = [pid for p in cluster.pods.values() for c in p.containers if c.alive() for pid in process_tree(c.proc.pid)]
-    leaks = [pid for pid in pids for s in secrets if s.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    pids = [pid for p in cluster.pods.values() for c in p.containers if c.alive()
+            for pid in {c.proc.pid} | descendant_pids(c.proc.pid)]
+    leaks = [pid for pid in pids for s in secrets if s.encode() in b"\0".join(cmdline(pid) or [])]
     assert not leaks, f"secrets on the command line of {leaks}"
     pods = list(cluster.pods.values())
     report("ready", ok=True, pods_ready=f"{sum(p.ready for p in pods)}/{len(pods)}",

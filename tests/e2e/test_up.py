@@ -14,18 +14,10 @@ import httpx
 import pytest
 
 from services.ports import free_port
+from tests.proc_children import cmdline, descendant_pids
 
 # These run the services as real processes: they need the whole engine stack.
 pytest.importorskip("services.scheduler.async_scheduler")
-
-
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        children = (task / "children").read_text().split() if (task / "children").exists() else []
-        for child in map(int, children):
-            out |= {child} | _descendants(child)
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -33,6 +25,16 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def _interrupt_and_expect_no_orphans(proc: subprocess.Popen, children: set[int]) -> None:
+    """Ctrl-C `up`: it exits 0 and every process it started is gone within 10 s."""
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "a child of pagedserve up outlived it"
+        time.sleep(0.1)
 
 
 def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
@@ -45,7 +47,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
         banner = proc.stdout.readline()
         assert "pagedserve up: 2 replicas" in banner, banner
         lines = [proc.stdout.readline() for _ in range(3)]
-        children = _descendants(proc.pid)
+        children = descendant_pids(proc.pid)
         assert len(children) >= 6  # redis, 2 engines, 2 schedulers, 1 router
         # The internal hops are closed: Redis wants its password, schedulers their router's token, and
         # neither secret is on any command line (/proc/<pid>/cmdline is readable by every local user).
@@ -58,17 +60,12 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
                             json={"model": Path(tiny_llama_dir).name, "prompt": "hello", "max_tokens": 3})
         assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_internal_token"
         for pid in children:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            assert b"redis://:" not in cmdline and b"requirepass" not in cmdline
+            argv = b"\0".join(cmdline(pid) or [])
+            assert b"redis://:" not in argv and b"requirepass" not in argv
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": Path(tiny_llama_dir).name, "prompt": "hello", "max_tokens": 3})
         assert r.status_code == 200 and r.headers["x-pagedserve-replica"] in ("replica-0", "replica-1")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in children):
-            assert time.monotonic() < deadline, "a child of pagedserve up outlived it"
-            time.sleep(0.1)
+        _interrupt_and_expect_no_orphans(proc, children)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -84,18 +81,13 @@ def test_up_with_a_redis_cluster_serves_through_it(tiny_llama_dir):
     try:
         banner = proc.stdout.readline()
         assert "pagedserve up: 1 replicas" in banner and "cluster=true" in banner and "***" in banner, banner
-        children = _descendants(proc.pid)
+        children = descendant_pids(proc.pid)
         assert len(children) >= 9  # 6 redis nodes (3 primaries, 3 replicas), an engine, a scheduler, a router
         body = {"model": Path(tiny_llama_dir).name, "prompt": "hello " * 40, "max_tokens": 3}
         for _ in range(2):  # the second finds the first's blocks through the cluster's index
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json=body)
             assert r.status_code == 200 and r.headers["x-pagedserve-replica"] == "replica-0"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in children):
-            assert time.monotonic() < deadline, "a child of pagedserve up outlived it"
-            time.sleep(0.1)
+        _interrupt_and_expect_no_orphans(proc, children)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,6 +15,7 @@ from services.bench.step_driver import StepDriver
 from services.engine.config import EngineConfig
 from services.engine.load_memory import peak_resident
 from services.engine.tp_launch import start_runner
+from tests.proc_children import child_pids, cmdline
 
 SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=4)
@@ -52,11 +53,10 @@ def write_random_llama(out: Path) -> int:
 def _rank_pids() -> list[int]:
     """This process (rank 0), then its child ranks in rank order."""
     pids = {0: os.getpid()}
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"engine-worker" in argv:
-                pids[int(argv[argv.index(b"--tp-local-rank") + 1])] = int(pid)
+    for pid in child_pids(os.getpid()):
+        argv = cmdline(pid) or []
+        if b"engine-worker" in argv:
+            pids[int(argv[argv.index(b"--tp-local-rank") + 1])] = pid
     return [pids[r] for r in sorted(pids)]
 
 

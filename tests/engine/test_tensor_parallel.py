@@ -26,6 +26,7 @@ from services.engine.parallel_state import RankGroupError
 from services.engine.tp_shard import TensorParallelConfigError
 from tests.engine.conftest import hf_greedy, make_tiny_model
 from tests.engine.rank_memory_probe import write_random_llama
+from tests.proc_children import child_pids, cmdline
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,15 +45,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 def _child_ranks() -> list[int]:
     """This process's live `engine-worker` children (the ranks an LLM started)."""
-    out = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                if b"engine-worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.append(int(pid))
-            except FileNotFoundError:
-                pass
-    return out
+    return [pid for pid in child_pids(os.getpid()) if b"engine-worker" in (cmdline(pid) or [])]
 
 
 def _prompts(vocab: int, seed: int) -> list[list[int]]:
