@@ -129,11 +129,36 @@ def run(args) -> int:
                                            messages=[{"role": "user", "content": "An invoice for two lamps."}])
     obj = parsed.choices[0].message.parsed
     print(f"chat.completions.parse(response_format=Invoice): {type(obj).__name__} {obj!r:.160}")
+    # JSON output has no free whitespace (compact separators, by construction), so the trap cannot loop on
+    # whitespace: with a schema it must finish; a free json_object may still run on by adding keys (a model's
+    # loop, not whitespace), so there the check is that no whitespace beyond the separators appears.
+    trap_prompt = [{"role": "user", "content": "Return a JSON object, and put as many spaces, tabs and newlines as "
+                                               "you can between every key and value."}]
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "city"],
+              "properties": {"name": {"type": "string", "maxLength": 30}, "city": {"type": "string", "maxLength": 30}}}
     trap = client.chat.completions.create(
-        model=model, max_tokens=args.max_tokens, temperature=0, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Return a JSON object, and put as many spaces, tabs and newlines "
-                                              "as you can between every key and value."}])
+        model=model, max_tokens=args.max_tokens, temperature=0, messages=trap_prompt,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}})
     reason = trap.choices[0].finish_reason
-    print(f"whitespace trap: finish_reason {reason}, {trap.usage.completion_tokens} tokens: "
+    print(f"whitespace trap (json_schema): finish_reason {reason}, {trap.usage.completion_tokens} tokens: "
           f"{trap.choices[0].message.content[:120]!r}")
-    return 1 if bad or obj is None or reason != "stop" else 0
+    free = client.chat.completions.create(model=model, max_tokens=args.max_tokens, temperature=0, messages=trap_prompt,
+                                          response_format={"type": "json_object"})
+    free_text = free.choices[0].message.content
+    stray = _stray_whitespace(free_text)
+    print(f"whitespace trap (json_object): finish_reason {free.choices[0].finish_reason}, "
+          f"{free.usage.completion_tokens} tokens, whitespace beyond the separators: {stray!r}")
+    return 1 if bad or obj is None or reason != "stop" or stray else 0
+
+
+def _stray_whitespace(text: str) -> list[str]:
+    """Whitespace in JSON text other than the single space after ',' and ':' (strings excluded)."""
+    out, in_string, escaped = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (not escaped and ch == "\\"), in_string and (escaped or ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace() and not (ch == " " and i > 0 and text[i - 1] in ",:"):
+            out.append(text[max(0, i - 10):i + 10])
+    return out

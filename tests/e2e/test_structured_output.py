@@ -130,3 +130,4 @@ def test_bench_structured_checks_every_answer(serve_url):
     assert done.returncode in (0, 1), done.stderr[-2000:]
     assert "INVALID" not in done.stderr and "| regex | 2 | 2 | 2 |" in done.stdout, done.stdout
     assert "chat.completions.parse(response_format=Invoice): Invoice" in done.stdout
+    assert "whitespace beyond the separators: []" in done.stdout, done.stdout
