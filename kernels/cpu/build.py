@@ -7,7 +7,8 @@ include paths, so two virtualenvs rebuild each other's build. Here:
 
 - the build directory lives under the pagedserve cache (cache_root) and is named by a digest of
   everything that changes the build: torch's version and include paths, the compiler, the flags, the
-  sources and headers;
+  sources and headers, and the checkout they sit in (torch's ninja file names their paths, so two
+  checkouts of the same sources sharing one directory would rebuild each other's build at every start);
 - pagedserve's own lock is an flock(2), which the kernel releases when its holder dies, so it is never
   stale; whoever holds it may delete torch's leftover lock file, since no one else can be compiling;
 - a start that must compile says so, and a start that waits on another process's compile says whose,
@@ -66,7 +67,7 @@ def build_key() -> str:
     from torch.utils.cpp_extension import include_paths
 
     h = hashlib.sha256()
-    for part in (torch.__version__, sys.version, _compiler_identity(), " ".join(CFLAGS + LDFLAGS),
+    for part in (torch.__version__, sys.version, _compiler_identity(), " ".join(CFLAGS + LDFLAGS), str(HERE.resolve()),
                  *(os.path.realpath(p) for p in include_paths())):
         h.update(part.encode() + b"\0")
     for path in [*SOURCES, *HEADERS]:

@@ -86,6 +86,14 @@ def test_the_build_directory_is_keyed_by_what_changes_the_build(monkeypatch, tmp
     real = ext.include_paths
     monkeypatch.setattr(ext, "include_paths", lambda *a, **k: [str(tmp_path), *real(*a, **k)])
     assert build.build_key() != base
+    monkeypatch.setattr(ext, "include_paths", real)
+    # The same sources in another checkout: a build of its own, since torch's ninja file names their paths.
+    other = tmp_path / "other-checkout"
+    shutil.copytree(build.HERE, other)
+    monkeypatch.setattr(build, "HERE", other)
+    monkeypatch.setattr(build, "SOURCES", [other / p.name for p in build.SOURCES])
+    monkeypatch.setattr(build, "HEADERS", [other / p.name for p in build.HEADERS])
+    assert build.build_key() != base
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert build.build_dir(base).is_relative_to(tmp_path)
 
