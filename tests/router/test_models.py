@@ -165,3 +165,24 @@ def test_adapter_requests_go_where_it_is_resident_under_its_own_root(tokenizer, 
         for _ in range(3):
             assert chat(r.url, "sql", "cached").headers["x-pagedserve-replica"] == "b"
             assert chat(r.url, MODEL, "cached").headers["x-pagedserve-replica"] == "a"
+
+
+def test_any_model_name_is_a_404_naming_the_served_models_or_served(tokenizer, redis_server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    with FakeReplicas(redis_server.url, ["a"], tokenizer=tokenizer), make_router(redis_server.url) as r:
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.text(max_size=80))
+        def check(name):
+            resp = httpx.post(r.url + "/v1/chat/completions", timeout=20,
+                              json={"model": name, "messages": [{"role": "user", "content": "x"}]})
+            if name == MODEL:
+                assert resp.status_code == 200
+            else:
+                assert resp.status_code in (400, 404), resp.text
+                assert resp.json()["error"]["param"] == "model"
+                if resp.status_code == 404:
+                    assert MODEL in resp.json()["error"]["message"]
+
+        check()
