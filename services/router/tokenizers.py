@@ -69,7 +69,13 @@ class ModelTokenizers:
         return await asyncio.shield(task)
 
     async def _fetch(self, model: str, digest: str) -> ModelText:
-        bundle = await self.index.tokenizer(digest)
+        try:
+            bundle = await self.index.tokenizer(digest)
+        except Exception as exc:  # the registry is down or slow: the next request tries again
+            log.warning("could not read the tokenizer of %s from the registry (%s: %s)", model,
+                        type(exc).__name__, exc)
+            raise APIError(503, f"the tokenizer of {model} could not be read from the registry; retry",
+                           code="registry_unavailable", headers={"Retry-After": "1"}) from None
         if bundle is None:  # its replica registered a moment before its bundle landed (or Redis lost it)
             raise NoReplicasError(f"the tokenizer of {model} is not in the registry yet")
         if bundle_digest(bundle) != digest:
