@@ -38,6 +38,12 @@ def salted_seed(seed: int, cache_salt: str | None) -> int:
     return _digest(seed.to_bytes(_HASH_BYTES, "big") + b"salt:" + cache_salt.encode("utf-8"))
 
 
+def adapter_seed(seed: int, adapter_digest: str) -> int:
+    """The root of the chains of requests for a LoRA adapter, by the digest of its files: the same
+    adapter shares blocks under any name and on any replica, different weights never do."""
+    return _digest(seed.to_bytes(_HASH_BYTES, "big") + b"lora:" + bytes.fromhex(adapter_digest))
+
+
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Hash of one full block given the hash of the block before it (or the chain's root)."""
     return _digest(parent_hash.to_bytes(_HASH_BYTES, "big") + array("I", token_ids).tobytes())

@@ -49,9 +49,14 @@ def _add_generate(sub) -> None:
 
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="local cluster: redis-server, N scheduler+engine replicas and a router")
-    own = tuple(o for o in S.SERVE_OPTIONS if o is not S.IN_PROCESS_ENGINE)  # engines are processes in `up`
+    # Engines are processes in `up`; --model is its own (repeatable) flag here.
+    own = tuple(o for o in S.SERVE_OPTIONS if o not in (S.IN_PROCESS_ENGINE, S.MODEL))
     S.add_options(p, own + (S.REDIS_URL, S.POLICY, S.MAX_QUEUE), S.DEFAULT_PORTS["router"])
-    p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start")
+    p.add_argument("--model", action="append", default=None,
+                   help="a model to serve: PATH (Hugging Face directory or .gguf; default: the bundled SmolLM2), "
+                   "or, repeated, NAME=PATH or NAME=PATH:REPLICAS for several models behind the routers "
+                   f"(env {S.MODEL.env}: one PATH, which the replicas read themselves)")
+    p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start (per model)")
     p.add_argument("--routers", type=int, default=1, help="router processes to start (ports port, port+1, ...)")
     p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                    help="start a local Redis Cluster of N shards (+1 replica each) instead of one redis-server")

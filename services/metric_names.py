@@ -36,6 +36,7 @@ ROUTER_REQUESTS = "pagedserve_router_requests_total"  # counter, label status (H
 ROUTER_UPSTREAM_ERRORS = "pagedserve_router_upstream_errors_total"  # counter
 ROUTER_RETRIES = "pagedserve_router_retries_total"  # counter
 ROUTER_QUEUE_DEPTH = "pagedserve_router_queue_depth"  # gauge: requests waiting for a free replica
+ROUTER_MODEL_QUEUE_DEPTH = "pagedserve_router_model_queue_depth"  # gauge, label model: the same per base model
 # gauge: requests held while no replica is ready; the scale-from-zero signal (present at 0 from the start)
 ROUTER_REQUESTS_HELD = "pagedserve_router_requests_held"
 ROUTER_PREFIX_MATCH_RATIO = "pagedserve_router_prefix_match_ratio"  # histogram: share of prompt cached
@@ -52,7 +53,8 @@ SCHEDULER_METRICS = frozenset({
     GUIDED_MASK_STEPS, GUIDED_MASK_SECONDS, GUIDED_CONSTRAINED_ROWS, SAMPLED_ROWS,
 })
 ROUTER_METRICS = frozenset({
-    ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_REQUESTS_HELD,
+    ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_MODEL_QUEUE_DEPTH,
+    ROUTER_REQUESTS_HELD,
     ROUTER_PREFIX_MATCH_RATIO,
     ROUTER_HEALTHY_REPLICAS, ROUTER_ROUTING_DECISIONS,
 })

@@ -14,6 +14,7 @@ the router's hot path. The equivalence is checked at start-up and the cache disa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -37,19 +38,42 @@ def _token_text(value) -> str | None:
     return value
 
 
+# The files that make a tokenizer and its chat template: what a replica publishes for routers.
+BUNDLE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+MAX_BUNDLE_BYTES = 64 * 1024 * 1024
+
+
+def read_bundle(model_dir: str | Path) -> bytes:
+    """The tokenizer files of `model_dir` as one canonical blob (sorted JSON of name -> text): its
+    SHA-256 is the tokenizer's identity in the registry, so a router can verify what it fetched."""
+    model_dir = Path(model_dir)
+    files = {name: (model_dir / name).read_text(encoding="utf-8") for name in BUNDLE_FILES
+             if (model_dir / name).exists()}
+    return json.dumps(files, sort_keys=True, ensure_ascii=False).encode("utf-8")
+
+
+def bundle_digest(bundle: bytes) -> str:
+    return hashlib.sha256(bundle).hexdigest()
+
+
 class ModelTokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        self.fast = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        template = config.get("chat_template")
-        if (model_dir / "chat_template.jinja").exists():
-            template = (model_dir / "chat_template.jinja").read_text()
+    def __init__(self, model_dir: str | Path | None = None, bundle: bytes | None = None):
+        """From a model directory, or from a bundle (read_bundle's blob) another process published."""
+        if bundle is None:
+            bundle = read_bundle(model_dir)
+        if len(bundle) > MAX_BUNDLE_BYTES:
+            raise ValueError(f"tokenizer bundle of {len(bundle)} bytes exceeds {MAX_BUNDLE_BYTES}")
+        files = json.loads(bundle)
+        self.bundle, self.digest = bundle, bundle_digest(bundle)
+        if "tokenizer.json" not in files:
+            raise ValueError(f"{model_dir or 'the tokenizer bundle'} has no tokenizer.json")
+        self.fast = Tokenizer.from_str(files["tokenizer.json"])
+        config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        template = files.get("chat_template.jinja") or config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not template:
-            raise ValueError(f"{model_dir} has no chat template")
+            raise ValueError(f"{model_dir or 'the tokenizer bundle'} has no chat template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

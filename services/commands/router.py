@@ -1,4 +1,4 @@
-"""`pagedserve router`: the public OpenAI endpoint, routing over the Redis registry."""
+"""`pagedserve router`: the public OpenAI endpoint, routing over the Redis registry to every model in it."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def run(args) -> int:
                     "records are not verified (set --internal-token-file in production)")
     if keys.enabled:
         log.info("API keys required (%s)", "file and/or env" if args.api_keys_file else "env/flag")
-    # Tokenizer and chat template only: the router never loads (or converts) weights.
-    tokenizer = ModelTokenizer(resolve_tokenizer(args.model))
+    # Each model's tokenizer and chat template come from the registry (its replicas publish them); a
+    # --model given here is used for the model whose tokenizer it matches. Never weights.
+    tokenizer = ModelTokenizer(resolve_tokenizer(args.model)) if args.model else None
     try:
         service = RouterService(router_config(args), tokenizer, RedisIndex(connect(args.redis_url), signer=token),
                                 keys, replica_filter, token)

@@ -1,5 +1,9 @@
 """`pagedserve up`: a local cluster of real processes: redis-server (or, with --redis-cluster N, a Redis
-Cluster of N shards), N engine+scheduler replicas, routers.
+Cluster of N shards), engine+scheduler replicas of one or several models, routers.
+
+With several models (`--model NAME=PATH[:REPLICAS]` repeated, services.commands.model_specs) every
+replica registers its model in the one registry and the routers serve them all, learning each model's
+tokenizer from there (they are given no model).
 
 Every service runs as its own `pagedserve` process with the flags of services.settings, exactly as in
 Kubernetes, so this is the multi-process deployment on one machine. A replica process that dies is
@@ -17,6 +21,7 @@ import time
 
 import httpx
 
+from services.commands.model_specs import parse_model_specs
 from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.redis_binary import find_redis_server, missing_message
 from services.commands.redis_cluster import LocalRedisCluster
@@ -32,7 +37,10 @@ READY_TIMEOUT = 600.0
 
 class LocalCluster:
     def __init__(self, args, replicas: int, routers: int = 1, python: str = sys.executable):
+        """`replicas`: per model (a model's own count in NAME=PATH:REPLICAS wins)."""
         self.args = args
+        self.models = parse_model_specs(getattr(args, "model", None), replicas,
+                                        getattr(args, "served_model_name", None))
         self.cli = [python, "-m", "services.cli"]
         self.redis: Child | None = None
         self.redis_cluster: LocalRedisCluster | None = None
@@ -42,8 +50,9 @@ class LocalCluster:
         self.schedulers: list[Child] = []
         self.routers: list[Child] = []
         self.scheduler_urls: list[str] = []
+        self.replica_ids: list[str] = []
         self.router_urls: list[str] = []
-        self.num_replicas = replicas
+        self.num_replicas = sum(m.replicas for m in self.models)
         self.num_routers = routers
         self.stop_requested = False  # set from a signal handler; start-up gives up waiting
 
@@ -70,26 +79,35 @@ class LocalCluster:
         if getattr(a, "api_keys", None):
             secret_env["PAGEDSERVE_API_KEYS"] = a.api_keys
         threads = str(max(1, (os.cpu_count() or 1) // self.num_replicas))
-        for i in range(self.num_replicas):
-            ep, sp = free_port(), free_port()
-            engine_flags = flags(a, ENGINE_FLAGS)
-            # Replicas share the machine's cores: one torch thread pool each, sized to its share.
-            env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": threads}
-            self.engines.append(Child(f"engine-{i}", [*self.cli, "engine", "--host", "127.0.0.1", "--port", str(ep),
-                                                      *engine_flags], {**env, **self.token.env()}))
-            sched_flags = flags(a, ["model", "served_model_name", "max_num_seqs", "max_num_batched_tokens",
-                                     "enable_prefix_caching", "max_model_len", "max_waiting", "max_body_bytes",
-                                     "log_level"])
-            url = f"http://127.0.0.1:{sp}"
-            self.schedulers.append(Child(f"scheduler-{i}", [
-                *self.cli, "scheduler", "--host", "127.0.0.1", "--port", str(sp), "--engine", f"tcp://127.0.0.1:{ep}",
-                "--replica-id", f"replica-{i}", "--advertise-url", url, "--heartbeat-interval", "0.5", *sched_flags],
-                {k: v for k, v in secret_env.items() if k != "PAGEDSERVE_API_KEYS"}))
-            self.scheduler_urls.append(url)
+        engine_flags = flags(a, [n for n in ENGINE_FLAGS if n != "model"])
+        sched_flags = flags(a, ["max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
+                                "max_waiting", "max_body_bytes", "log_level"])
+        several = len(self.models) > 1
+        for spec in self.models:
+            model = ["--model", spec.path] if spec.path else []
+            named = ["--served-model-name", spec.name] if spec.name else []
+            for k in range(spec.replicas):
+                i = len(self.engines)
+                rid = f"{spec.name}-{k}" if several else f"replica-{i}"
+                ep, sp = free_port(), free_port()
+                # Replicas share the machine's cores: one torch thread pool each, sized to its share.
+                env = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": threads}
+                self.engines.append(Child(f"engine-{rid}", [*self.cli, "engine", "--host", "127.0.0.1", "--port",
+                                                            str(ep), *model, *engine_flags],
+                                          {**env, **self.token.env()}))
+                url = f"http://127.0.0.1:{sp}"
+                self.schedulers.append(Child(f"scheduler-{rid}", [
+                    *self.cli, "scheduler", "--host", "127.0.0.1", "--port", str(sp), "--engine",
+                    f"tcp://127.0.0.1:{ep}", "--replica-id", rid, "--advertise-url", url, "--heartbeat-interval",
+                    "0.5", *model, *named, *sched_flags],
+                    {k: v for k, v in secret_env.items() if k != "PAGEDSERVE_API_KEYS"}))
+                self.scheduler_urls.append(url)
+                self.replica_ids.append(rid)
         for j in range(self.num_routers):
             port = a.port + j
-            router_flags = flags(a, ["model", "policy", "cache_isolation", "api_keys_file", "max_queue",
-                                      "max_body_bytes", "log_level"])
+            # No model: routers learn every model's tokenizer from the registry.
+            router_flags = flags(a, ["policy", "cache_isolation", "api_keys_file", "max_queue", "max_body_bytes",
+                                     "log_level"])
             self.routers.append(Child(f"router-{j}", [*self.cli, "router", "--host", a.host, "--port", str(port),
                                                       *router_flags], dict(secret_env)))
             self.router_urls.append(f"http://127.0.0.1:{port}")
@@ -149,7 +167,10 @@ class LocalCluster:
 
 
 def run(args) -> int:
-    cluster = LocalCluster(args, args.replicas, args.routers)
+    try:
+        cluster = LocalCluster(args, args.replicas, args.routers)
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve up: {exc}") from None
 
     def request_stop(*_) -> None:
         cluster.stop_requested = True
@@ -158,11 +179,13 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     try:
         cluster.start()
-        print(f"pagedserve up: {args.replicas} replicas, registry {redacted(cluster.redis_url)}", flush=True)
+        models = ", ".join(f"{m.name or 'model'} x{m.replicas}" for m in cluster.models)
+        print(f"pagedserve up: {cluster.num_replicas} replicas ({models}), registry {redacted(cluster.redis_url)}",
+              flush=True)
         for url in cluster.router_urls:
             print(f"  router      {url}/v1", flush=True)
-        for i, url in enumerate(cluster.scheduler_urls):
-            print(f"  replica-{i}   {url}", flush=True)
+        for rid, url in zip(cluster.replica_ids, cluster.scheduler_urls, strict=True):
+            print(f"  {rid:<11} {url}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         while not cluster.stop_requested:
             cluster.restart_dead()

@@ -12,11 +12,13 @@ from services.openai_api.protocol import ChatCompletionRequest, CompletionReques
 from services.openai_api.responses_protocol import ResponsesRequest
 
 
-def models_body(models: list[tuple[str, int]], created: int = 0) -> dict:
-    """`/v1/models` for (served name, max model length) pairs."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                        "owned_by": "pagedserve", "max_model_len": max_len}
-                                       for name, max_len in models]}
+def models_body(models: list[tuple], created: int = 0) -> dict:
+    """`/v1/models` for (served name, max model length[, parent]) tuples: a LoRA adapter names the base
+    model it runs on as its `parent` (vLLM's convention); a base model's parent is null."""
+    return {"object": "list", "data": [{"id": m[0], "object": "model", "created": created,
+                                        "owned_by": "pagedserve", "root": m[0], "parent": m[2] if len(m) > 2 else None,
+                                        "max_model_len": m[1]}
+                                       for m in models]}
 
 
 def check_model(requested: str, served: str) -> None:

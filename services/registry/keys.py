@@ -2,6 +2,8 @@
 
     {ns}replicas            SET of replica ids ever registered (stale ids are pruned by readers)
     {ns}replica:{id}        JSON ReplicaState (identity + load + index generation), expires unless heartbeated
+    {ns}tokenizer:{digest}  a model's tokenizer bundle (services.tokenizer), named by the SHA-256 in its
+                            replicas' signed records; expires unless a replica of it heartbeats
     {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block. A stored block
                             scores +inf; a claim (a router just sent the prompt there) scores its expiry
 
@@ -29,3 +31,7 @@ def replica_key(ns: str, replica_id: str) -> str:
 
 def block_key(ns: str, block_hash: int) -> str:
     return f"{ns}blk:{{{block_hash}}}"
+
+
+def tokenizer_key(ns: str, digest: str) -> str:
+    return ns + "tokenizer:" + digest

@@ -18,6 +18,13 @@ class MemoryIndex:
         self._states: dict[str, tuple[ReplicaState, float]] = {}  # id -> (state, expiry)
         self._blocks: dict[str, set[int]] = {}
         self._pending: dict[str, dict[int, float]] = {}  # id -> hash -> expiry
+        self._tokenizers: dict[str, bytes] = {}
+
+    async def write_tokenizer(self, digest: str, bundle: bytes) -> None:
+        self._tokenizers[digest] = bundle
+
+    async def tokenizer(self, digest: str) -> bytes | None:
+        return self._tokenizers.get(digest)
 
     # -- sink (scheduler side) ---------------------------------------------------------------------
     async def write_state(self, state: ReplicaState, ttl: float) -> None:

@@ -33,6 +33,13 @@ class ReplicaInfo:
     # The id its blocks are filed under in the prefix index (services.registry.keys): a new random one at
     # each full resync, so the entries of an old generation, or of a dead replica, simply stop counting.
     generation: int = 0
+    adapters: dict[str, str] = field(default_factory=dict)  # resident LoRA adapters: name -> adapter_digest
+    # SHA-256 of its tokenizer bundle (services.tokenizer.read_bundle), published under this digest in the
+    # registry: routers fetch a model's tokenizer and chat template from there and verify them by it.
+    tokenizer_digest: str = ""
+    # Seconds this replica took to make an adapter resident (its last load; 0: none measured yet): what
+    # routing an adapter's request to a replica where it is not resident costs.
+    adapter_load_seconds: float = 0.0
 
     @property
     def identity(self) -> ModelIdentity:
@@ -114,6 +121,8 @@ class RegistrySink(Protocol):
 
     async def remove_replica(self, replica_id: str) -> None: ...
 
+    async def write_tokenizer(self, digest: str, bundle: bytes) -> None: ...
+
 
 class PrefixIndex(Protocol):
     """What a router reads: every live replica with how many leading blocks of a prompt it holds."""
@@ -124,6 +133,10 @@ class PrefixIndex(Protocol):
         """Mark a prompt's blocks from `held` on (it holds the first `held`) as about to be cached on a
         replica, so the next request with this prefix (from any router) follows it before the scheduler
         has published them."""
+        ...
+
+    async def tokenizer(self, digest: str) -> bytes | None:
+        """A tokenizer bundle a replica published (services.tokenizer), by its digest."""
         ...
 
     async def close(self) -> None: ...

@@ -29,8 +29,11 @@ class ReplicaSource(Protocol):
 
 class ReplicaPublisher:
     def __init__(self, sink: RegistrySink, info: ReplicaInfo, source: ReplicaSource,
-                 heartbeat_interval: float = 1.0, event_interval: float = 0.02):
+                 heartbeat_interval: float = 1.0, event_interval: float = 0.02, tokenizer_bundle: bytes | None = None):
+        """`tokenizer_bundle`: the replica's tokenizer files (services.tokenizer.read_bundle), published under
+        info.tokenizer_digest so routers need no copy of the model."""
         self.sink = sink
+        self.tokenizer_bundle = tokenizer_bundle
         self.info = info
         self.source = source
         self.heartbeat_interval = heartbeat_interval
@@ -75,6 +78,8 @@ class ReplicaPublisher:
         load.cached_blocks = len(self._mirror)
         resynced = self._resync
         if self._resync:
+            if self.tokenizer_bundle is not None and self.info.tokenizer_digest:
+                await self.sink.write_tokenizer(self.info.tokenizer_digest, self.tokenizer_bundle)
             # Blocks first, then the record that names their generation (services.registry.keys).
             await self.sink.replace_blocks(self.info.replica_id, set(self._mirror), self.ttl)
             self._resync, self._delta = False, BlockDelta()

@@ -21,6 +21,8 @@ from services.registry.model import BlockDelta, ReplicaState, Signer
 from services.registry.redis_connect import connect, redacted  # noqa: F401  (the registry's client)
 
 _CHUNK = 4000  # commands per pipeline round trip: keeps single writes small
+# A bundle outlives any one heartbeat by far (it is megabytes: written once, then only its TTL renewed).
+TOKENIZER_TTL_MS = 3_600_000
 
 
 def new_generation() -> int:
@@ -36,15 +38,26 @@ class RedisSink:
         self._generation: dict[str, int] = {}  # replica id -> generation its record names
         self._filed: dict[str, set[int]] = {}  # replica id -> blocks filed under that generation
         self._stale: tuple[int, set[int]] | None = None  # a replaced generation, dropped once unnamed
+        self._bundles: dict[str, bytes] = {}  # tokenizer digest -> bundle, re-written if Redis lost it
+
+    async def write_tokenizer(self, digest: str, bundle: bytes) -> None:
+        """Publish a tokenizer bundle under its digest (write_state keeps it alive while records name it)."""
+        self._bundles[digest] = bundle
+        await self.client.set(keys.tokenizer_key(self.ns, digest), bundle, px=TOKENIZER_TTL_MS)
 
     async def write_state(self, state: ReplicaState, ttl: float) -> None:
         rid = state.info.replica_id
         info = dataclasses.replace(state.info, generation=self._generation.get(rid, 0))
+        digest = info.tokenizer_digest if info.tokenizer_digest in self._bundles else ""
         pipe = self.client.pipeline(transaction=False)
+        if digest:  # before the record that names it: a router reading the record finds the bundle
+            pipe.pexpire(keys.tokenizer_key(self.ns, digest), TOKENIZER_TTL_MS)
         pipe.set(keys.replica_key(self.ns, rid), ReplicaState(info, state.load).to_json(self.signer),
                  px=int(ttl * 1000))
         pipe.sadd(keys.replicas_key(self.ns), rid)
-        await pipe.execute()
+        results = await pipe.execute()
+        if digest and not results[0]:  # Redis restarted empty since it was written
+            await self.write_tokenizer(digest, self._bundles[digest])
         stale, self._stale = self._stale, None
         if stale:  # the record now names the new generation: the old one's entries can go
             await self._file(stale[0], (), stale[1])

@@ -39,13 +39,15 @@ class ReplicaService:
     model_name: str
     max_model_len: int
     metrics: SchedulerMetrics
+    tokenizer: ModelTokenizer
 
     def publisher(self, sink: RegistrySink, replica_id: str, url: str, capacity: int,
                   heartbeat_interval: float) -> ReplicaPublisher:
         core = self.replica.core
         info = ReplicaInfo(replica_id=replica_id, url=url, model=self.model_name, block_size=core.info.block_size,
-                           max_model_len=self.max_model_len, capacity=capacity, hash_seed=core.hash_seed)
-        pub = ReplicaPublisher(sink, info, self.replica, heartbeat_interval)
+                           max_model_len=self.max_model_len, capacity=capacity, hash_seed=core.hash_seed,
+                           tokenizer_digest=self.tokenizer.digest)
+        pub = ReplicaPublisher(sink, info, self.replica, heartbeat_interval, tokenizer_bundle=self.tokenizer.bundle)
         self.replica.on_engine_reset.append(pub.reset_blocks)
         return pub
 
@@ -71,4 +73,4 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
                 "requests": stats.num_waiting + stats.num_running}
 
     app = create_replica_app(serving, metrics, health)
-    return ReplicaService(replica, app, model_name, core.max_model_len, metrics)
+    return ReplicaService(replica, app, model_name, core.max_model_len, metrics, tokenizer)

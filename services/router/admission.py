@@ -34,15 +34,18 @@ _QUEUED, _HELD = "queued", "held"
 
 
 class Admission:
-    def __init__(self, max_queue: int, metrics: RouterMetrics, cold_start_timeout: float = 0.0):
+    def __init__(self, max_queue: int, metrics: RouterMetrics, cold_start_timeout: float = 0.0,
+                 on_change: Callable[[], None] | None = None):
+        """`on_change`: publishes the gauges when the counts change (ModelQueues sums its queues')."""
         assert max_queue >= 0 and cold_start_timeout >= 0
         self.max_queue = max_queue
         self.cold_start_timeout = cold_start_timeout
         self.metrics = metrics
         self.counts = {_QUEUED: 0, _HELD: 0}
         self._wake = asyncio.Event()
-        metrics.queue_depth.set(0)
-        metrics.held.set(0)
+        self._on_change = on_change or self._publish_own
+        if on_change is None:  # gauges exist at 0 from the start (an owner publishes its own)
+            self._publish_own()
 
     @property
     def waiting(self) -> int:
@@ -117,9 +120,56 @@ class Admission:
         self._publish()
 
     def _publish(self) -> None:
+        self._on_change()
+
+    def _publish_own(self) -> None:
         self.metrics.queue_depth.set(self.waiting)
         self.metrics.held.set(self.held)
 
     def released(self) -> None:
         """A request finished here: queued ones may fit now."""
         self._wake.set()
+
+
+class ModelQueues:
+    """One admission queue per served model, so a burst for one model waits (and fills its bound) in its
+    own queue while every other model's requests are admitted as before; plus the hold where a request
+    waits until its model's identity is known (scale from zero), shared because its model is not yet
+    known to exist. Keyed by base model names the registry knows, so their number is bounded by the fleet.
+    """
+
+    def __init__(self, max_queue: int, metrics: RouterMetrics, cold_start_timeout: float = 0.0):
+        self.max_queue = max_queue
+        self.cold_start_timeout = cold_start_timeout
+        self.metrics = metrics
+        self.queues: dict[str, Admission] = {}
+        self.hold = Admission(max_queue, metrics, cold_start_timeout, self._publish)
+        self._publish()
+
+    def of(self, model: str) -> Admission:
+        queue = self.queues.get(model)
+        if queue is None:
+            queue = self.queues[model] = Admission(self.max_queue, self.metrics, self.cold_start_timeout,
+                                                   lambda: self._publish(model))
+            self._publish(model)
+        return queue
+
+    @property
+    def waiting(self) -> int:
+        return self.hold.waiting + sum(q.waiting for q in self.queues.values())
+
+    @property
+    def held(self) -> int:
+        return self.hold.held + sum(q.held for q in self.queues.values())
+
+    def _publish(self, model: str | None = None) -> None:
+        if model is not None:
+            self.metrics.model_queue_depth.labels(model).set(self.queues[model].waiting)
+        self.metrics.queue_depth.set(self.waiting)
+        self.metrics.held.set(self.held)
+
+    def released(self) -> None:
+        """A request finished here: queued ones (of its model, and any other sharing its replicas) may fit."""
+        self.hold.released()
+        for q in self.queues.values():
+            q.released()

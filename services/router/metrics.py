@@ -17,6 +17,8 @@ class RouterMetrics:
                                        registry=r)
         self.retries = Counter(M.ROUTER_RETRIES, "requests re-sent to another replica", registry=r)
         self.queue_depth = Gauge(M.ROUTER_QUEUE_DEPTH, "requests waiting for a replica with room", registry=r)
+        self.model_queue_depth = Gauge(M.ROUTER_MODEL_QUEUE_DEPTH, "requests waiting for a replica with room, "
+                                       "by base model (what scales that model's replicas)", ["model"], registry=r)
         self.held = Gauge(M.ROUTER_REQUESTS_HELD, "requests held while no replica is ready (scale from zero)",
                           registry=r)
         self.prefix_match = Histogram(M.ROUTER_PREFIX_MATCH_RATIO, "share of the prompt cached on the chosen "

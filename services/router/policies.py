@@ -1,5 +1,10 @@
 """Routing policies: rank the live replicas for one request, best first (the rest are retry order).
 
+A request for a LoRA adapter weighs, besides prefix hit and load, what loading the adapter costs where it
+is not resident: the replica's own measured load time (ReplicaInfo.adapter_load_seconds), in units of
+load (requests in flight) through the router's measured mean request time, so a fast load on an idle
+replica beats a queue behind a resident copy and a slow one does not.
+
 Every choice is a function of the registry snapshot and the request alone (ties broken by rendezvous
 hashing, never by chance), so any number of routers reading one Redis make the same choice. Only
 round-robin keeps a counter, which is its definition.
@@ -30,6 +35,9 @@ class RouteRequest:
     prompt_tokens: int
     block_size: int
     session_id: str | None = None
+    adapter: str | None = None  # the LoRA adapter the request names (None: the base model)
+    adapter_digest: str = ""
+    request_seconds: float = 0.0  # the router's measured mean duration of a request to this model (0: none yet)
 
     @property
     def key(self) -> str:
@@ -42,12 +50,37 @@ def rendezvous(key: str, replica_id: str) -> int:
     return xxhash.xxh3_64_intdigest(f"{key}|{replica_id}".encode())
 
 
-def _load_key(r: ReplicaState, key: str):
-    return (r.load.requests, r.load.kv_usage, r.load.cached_blocks, -rendezvous(key, r.info.replica_id))
+def resident(r: ReplicaState, req: RouteRequest) -> bool:
+    """Whether the request's adapter (these very weights) is loaded on the replica; always for the base."""
+    return req.adapter is None or r.info.adapters.get(req.adapter) == req.adapter_digest
+
+
+def adapter_cost(r: ReplicaState, req: RouteRequest, measured_load_seconds: float) -> float:
+    """What loading the adapter on `r` first costs, in requests in flight: its load time over the share of
+    a batch one request takes (mean request time / capacity). 0 where resident or nothing is measured."""
+    if resident(r, req) or req.request_seconds <= 0:
+        return 0.0
+    load_seconds = r.info.adapter_load_seconds or measured_load_seconds
+    return load_seconds * max(1, r.info.capacity) / req.request_seconds
+
+
+def effective_loads(replicas: list[ReplicaState], req: RouteRequest) -> dict[str, float]:
+    """Replica id -> requests in flight plus the adapter's load cost there. A replica that never loaded an
+    adapter is charged the slowest load its model's replicas measured."""
+    if req.adapter is None:
+        return {r.info.replica_id: float(r.load.requests) for r in replicas}
+    fleet = max((r.info.adapter_load_seconds for r in replicas), default=0.0)
+    return {r.info.replica_id: r.load.requests + adapter_cost(r, req, fleet) for r in replicas}
+
+
+def _load_key(r: ReplicaState, req: RouteRequest, loads: dict[str, float]):
+    return (loads[r.info.replica_id], not resident(r, req), r.load.kv_usage, r.load.cached_blocks,
+            -rendezvous(req.key, r.info.replica_id))
 
 
 def least_loaded(replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
-    return sorted(replicas, key=lambda r: _load_key(r, req.key))
+    loads = effective_loads(replicas, req)
+    return sorted(replicas, key=lambda r: _load_key(r, req, loads))
 
 
 def match_ratio(r: ReplicaState, req: RouteRequest) -> float:
@@ -60,19 +93,21 @@ class PrefixPolicy:
     def rank(self, replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
         if not replicas:
             return []
-        min_load = min(r.load.requests for r in replicas)
+        loads = effective_loads(replicas, req)
+        min_load = min(loads.values())
         slack = max(GUARD_ABS, GUARD_REL * min_load)
-        eligible = [r for r in replicas if r.load.requests <= min_load + slack]
-        best = max(eligible, key=lambda r: (r.matched_blocks, -r.load.requests,
+        eligible = [r for r in replicas if loads[r.info.replica_id] <= min_load + slack]
+        best = max(eligible, key=lambda r: (r.matched_blocks, -loads[r.info.replica_id], resident(r, req),
                                             rendezvous(req.key, r.info.replica_id)))
         worth_it = best.matched_blocks > 0 and (
             match_ratio(best, req) >= MIN_MATCH_RATIO or best.matched_blocks * req.block_size >= MIN_MATCH_TOKENS)
         if worth_it:
             rest = least_loaded([r for r in replicas if r is not best], req)
             return [best, *rest]
-        # No useful affinity: least loaded; among equals, the one caching least, where a new prefix fits.
-        return sorted(replicas, key=lambda r: (r.load.requests, r.load.cached_blocks, r.load.kv_usage,
-                                               -rendezvous(req.key, r.info.replica_id)))
+        # No useful affinity: least loaded (the adapter's load cost counted); among equals, where the adapter
+        # is resident, then the one caching least, where a new prefix fits.
+        return sorted(replicas, key=lambda r: (loads[r.info.replica_id], not resident(r, req), r.load.cached_blocks,
+                                               r.load.kv_usage, -rendezvous(req.key, r.info.replica_id)))
 
 
 class LeastLoadedPolicy:

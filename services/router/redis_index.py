@@ -127,5 +127,10 @@ class RedisIndex:
             pipe.zadd(keys.block_key(self.ns, hashes[p]), {str(gen): expiry}, gt=True)
         await pipe.execute()
 
+    async def tokenizer(self, digest: str) -> bytes | None:
+        """The tokenizer bundle published under `digest` (unverified: the caller checks it against the
+        digest in a signed record), or None."""
+        return await self.client.get(keys.tokenizer_key(self.ns, digest))
+
     async def close(self) -> None:
         await self.records.close()

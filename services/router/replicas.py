@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Protocol
 
 from services.openai_api.errors import APIError
@@ -27,6 +28,18 @@ EMPTY_GRACE = 5.0
 INDEX_RETRY = 0.5
 # A request for a model no known replica serves re-reads the registry at most this often.
 IDENTITY_REFRESH = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """How to route a request for one model name: its base model's identity, context length and
+    tokenizer, and the adapter it names (None for the base model itself)."""
+
+    identity: ModelIdentity
+    max_model_len: int
+    tokenizer_digest: str
+    adapter: str | None = None
+    adapter_digest: str = ""
 
 
 class NoReplicasError(APIError):
@@ -58,16 +71,17 @@ class ReplicaView:
         """The replicas of the last good snapshot (for their identities and limits)."""
         return self._last
 
-    async def identity(self, model: str) -> tuple[ModelIdentity, int]:
-        """The identity replicas serving `model` published, and their smallest max model length.
+    async def resolve(self, model: str) -> ServedModel:
+        """What serves `model` (a base model, or an adapter of one) as the registry last said.
 
-        404 when replicas are registered but none serves `model`; NoReplicasError when none is registered.
+        404 naming the served models when replicas are registered but none serves `model`;
+        NoReplicasError when none is registered.
         """
-        found = self._identity(model)
+        found = self._resolve(model)
         if found is None and time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
             self._identity_read_at = time.monotonic()
             await self._read([])
-            found = self._identity(model)
+            found = self._resolve(model)
         if found is not None:
             return found
         if self._last:
@@ -76,21 +90,36 @@ class ReplicaView:
                            "model_not_found")
         raise NoReplicasError()
 
-    def _identity(self, model: str) -> tuple[ModelIdentity, int] | None:
+    def _resolve(self, model: str) -> ServedModel | None:
         serving = [s.info for s in self._last if s.info.model == model]
-        if not serving:
-            return None
+        adapter_digest = ""
+        if not serving:  # an adapter: served by the replicas of its parent, wherever it is resident
+            holders = [s.info for s in self._last if model in s.info.adapters]
+            if not holders:
+                return None
+            # Replicas may briefly disagree (a reload in place rolling out): the digest most of them hold.
+            digests = Counter(i.adapters[model] for i in holders)
+            adapter_digest = max(digests, key=lambda d: (digests[d], d))
+            parent = min(i.model for i in holders if i.adapters[model] == adapter_digest)
+            serving = [s.info for s in self._last if s.info.model == parent]
         identity = serving[0].identity
-        return identity, min(i.max_model_len for i in serving if i.identity == identity)
+        same = [i for i in serving if i.identity == identity]
+        return ServedModel(identity, min(i.max_model_len for i in same), same[0].tokenizer_digest,
+                           model if adapter_digest else None, adapter_digest)
 
-    async def models(self) -> list[tuple[str, int]]:
-        """(served model, max model length) of every model the registry knows, for /v1/models."""
+    async def models(self) -> list[tuple[str, int, str | None]]:
+        """(name, max model length, parent) of every model and adapter the registry knows, for /v1/models:
+        base models have no parent, adapters name the base model they run on."""
         if not self._last:
             await self._read([])
         lens: dict[str, int] = {}
+        parents: dict[str, str] = {}
         for s in self._last:
             lens[s.info.model] = min(lens.get(s.info.model, s.info.max_model_len), s.info.max_model_len)
-        return sorted(lens.items())
+            for name in s.info.adapters:
+                parents.setdefault(name, s.info.model)
+        out = [(name, n, None) for name, n in sorted(lens.items())]
+        return out + [(name, lens[p], p) for name, p in sorted(parents.items()) if name not in lens]
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
         states = await self._read(block_hashes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from services.block_hash import hash_blocks, salted_seed
+from services.block_hash import adapter_seed, hash_blocks, salted_seed
 from services.internal_auth import InternalToken
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
@@ -32,14 +32,15 @@ from services.openai_api.tokenize import detokenize as detokenize_request
 from services.openai_api.tokenize import parse_detokenize, parse_tokenize
 from services.openai_api.tokenize import tokenize as tokenize_request
 from services.openai_api.tool_grammar import compile_constraint
-from services.registry.model import ModelIdentity, PrefixIndex
-from services.router.admission import Admission
+from services.registry.model import PrefixIndex
+from services.router.admission import ModelQueues
 from services.router.auth import ApiKeys
 from services.router.metrics import RouterMetrics
 from services.router.policies import RouteRequest, make_policy, match_ratio
 from services.router.proxy import Proxy
-from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, saturated
-from services.structured_output.compiler import GrammarCompiler
+from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, ServedModel, saturated
+from services.router.request_time import RequestTimes
+from services.router.tokenizers import ModelText, ModelTokenizers
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ SESSION_HEADER = "x-session-id"
 
 @dataclass
 class RouterConfig:
-    """How this router routes. What it routes to (model name, block size, hash seed, context length)
-    it learns from the replicas' registry records."""
+    """How this router routes. What it routes to (model names, block size, hash seed, context length,
+    tokenizer and chat template, adapters) it learns from the replicas' registry records."""
 
     policy: str = "prefix"
     cache_isolation: str = "shared"  # or "per-key": each API key gets its own prefix cache (a salt)
@@ -68,20 +69,20 @@ def key_salt(api_key: bytes, client_salt: str | None) -> str:
 class RouterService:
     def __init__(self, config: RouterConfig, tokenizer, index: PrefixIndex, api_keys: ApiKeys,
                  replica_filter: ReplicaFilter | None = None, internal_token: InternalToken | None = None):
+        """`tokenizer`: one this process has already (or None); every other model's comes from the registry."""
         if config.cache_isolation == "per-key" and not api_keys.enabled:
             raise ValueError("--cache-isolation per-key needs API keys (--api-keys-file): keys are the tenants")
         self.config = config
-        self.tokenizer = tokenizer
+        self.tokenizers = ModelTokenizers(index, tokenizer)
         self.keys = api_keys
         self.metrics = RouterMetrics()
         self.policy = make_policy(config.policy)
         self.view = ReplicaView(index, self.metrics, replica_filter)
-        self.admission = Admission(config.max_queue, self.metrics, config.cold_start_timeout)
+        self.admission = ModelQueues(config.max_queue, self.metrics, config.cold_start_timeout)
         self.proxy = Proxy(config.request_timeout, self.metrics, self._started, self._done, internal_token)
         self._background: set[asyncio.Task] = set()
-        # Constraints compile here too (on the compiler's threads, cached), so one that never can is a 400
-        # before it costs a replica anything; the replica compiles it again with the model's vocabulary.
-        self.grammars = GrammarCompiler(lambda: tokenizer.fast.to_str(), tokenizer.vocab_size)
+        self.request_times = RequestTimes()
+        self._model_of: dict[str, str] = {}  # replica id -> its model, for the request clock
 
     async def completions(self, request: Request) -> Response:
         return await self._counted(self._route(request, CompletionRequest, "/v1/completions"))
@@ -105,17 +106,18 @@ class RouterService:
         req = parse_tokenize(body) if tokenize else parse_detokenize(body)
         model = req.model
         if model is None:  # optional, as in vLLM: fine while one model is served
-            served = [name for name, _ in await self.view.models()]
+            served = [name for name, _, _ in await self.view.models()]
             if len(served) > 1:
                 raise APIError(400, f"model: required when several models are served ({', '.join(served)})",
                                "model")
             model = served[0] if served else ""
-        _, max_model_len = await self.admission.admit(lambda: self.view.identity(model),
-                                                      self.config.request_timeout, arrived)
+        served = await self.admission.hold.admit(lambda: self.view.resolve(model), self.config.request_timeout,
+                                                 arrived)
+        text = await self.tokenizers.get(served.identity.model, served.tokenizer_digest)
         self.metrics.requests.labels("200").inc()
         if tokenize:
-            return JSONResponse(await tokenize_request(req, self.tokenizer, max_model_len))
-        return JSONResponse(detokenize_request(req, self.tokenizer))
+            return JSONResponse(await tokenize_request(req, text.tokenizer, served.max_model_len))
+        return JSONResponse(detokenize_request(req, text.tokenizer))
 
     async def _counted(self, handling) -> Response:
         """Count what the router answers itself; forwarded answers are counted by the proxy."""
@@ -137,24 +139,30 @@ class RouterService:
             # The key's own salt, before any the client chose: one key can never match another's blocks.
             req.cache_salt = body["cache_salt"] = key_salt(key, req.cache_salt)
         # With no replica registered yet (scale from zero) the model's identity is unknown: hold here.
-        identity, max_model_len = await self.admission.admit(lambda: self.view.identity(req.model),
-                                                             self.config.request_timeout, arrived)
+        served = await self.admission.hold.admit(lambda: self.view.resolve(req.model), self.config.request_timeout,
+                                                 arrived)
+        identity, max_model_len = served.identity, served.max_model_len
+        text = await self.tokenizers.get(identity.model, served.tokenizer_digest)
         if isinstance(req, ResponsesRequest):  # validated and routed as the chat request it becomes
             chat, where = to_chat(req)
             try:
-                prepared = await self._prepare(chat, max_model_len)
+                prepared = await self._prepare(text, chat, max_model_len)
             except APIError as err:
                 raise responses_error(err, where) from None
         else:
-            prepared = await self._prepare(req, max_model_len)
+            prepared = await self._prepare(text, req, max_model_len)
         ids = prepared.prompts[0]
         if len(prepared.prompts) == 1:
             body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
-        root = salted_seed(identity.hash_seed, req.cache_salt)
+        # An adapter's blocks are chained under its own root (its files' digest), as its replicas file them.
+        seed = adapter_seed(identity.hash_seed, served.adapter_digest) if served.adapter else identity.hash_seed
+        root = salted_seed(seed, req.cache_salt)
         route = RouteRequest(hash_blocks(ids, identity.block_size, root), len(ids),
-                             identity.block_size, request.headers.get(SESSION_HEADER))
-        ranked = await self.admission.admit(lambda: self._pick(identity, route), self.config.request_timeout,
-                                            arrived)
+                             identity.block_size, request.headers.get(SESSION_HEADER), served.adapter,
+                             served.adapter_digest, self.request_times.mean_seconds(identity.model))
+        # The model's own queue: a burst for another model never fills it.
+        ranked = await self.admission.of(identity.model).admit(lambda: self._pick(served, route),
+                                                               self.config.request_timeout, arrived)
         chosen = ranked[0]
         self.metrics.decisions.labels(self.policy.name, chosen.info.replica_id).inc()
         self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
@@ -162,17 +170,22 @@ class RouterService:
             self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes, chosen.matched_blocks))
         return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
 
-    async def _prepare(self, req, max_model_len: int):
+    async def _prepare(self, text: ModelText, req, max_model_len: int):
         """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""
-        prepared = await prepare_async(req, self.tokenizer, max_model_len)
+        prepared = await prepare_async(req, text.tokenizer, max_model_len)
         if prepared.params.structured_outputs is not None:
-            await compile_constraint(self.grammars, prepared.params.structured_outputs, prepared.tools)
+            # Compiled here too (on the compiler's threads, cached), so one that never can is a 400 before
+            # it costs a replica anything; the replica compiles it again with the model's vocabulary.
+            await compile_constraint(text.grammars, prepared.params.structured_outputs, prepared.tools)
         return prepared
 
-    async def _pick(self, identity: ModelIdentity, route: RouteRequest) -> list | None:
+    async def _pick(self, served: ServedModel, route: RouteRequest) -> list | None:
+        identity = served.identity
         replicas = [r for r in await self.view.snapshot(route.block_hashes) if r.info.identity == identity]
+        for r in replicas:
+            self._model_of[r.info.replica_id] = identity.model
         if not replicas:
-            raise NoReplicasError(f"no healthy replica of {identity.model} is registered")
+            raise NoReplicasError(f"no healthy replica of {served.adapter or identity.model} is registered")
         open_ = [r for r in replicas if not saturated(r)]
         if not open_:
             return None
@@ -180,9 +193,11 @@ class RouterService:
 
     def _started(self, replica_id: str) -> None:
         self.view.inflight[replica_id] += 1
+        self.request_times.started(self._model_of.get(replica_id, ""))
 
     def _done(self, replica_id: str) -> None:
         self.view.inflight[replica_id] -= 1
+        self.request_times.done(self._model_of.get(replica_id, ""))
         self.admission.released()
 
     def _spawn(self, coro) -> None:
@@ -192,7 +207,7 @@ class RouterService:
 
     async def close(self) -> None:
         await self.proxy.close()
-        self.grammars.close()
+        self.tokenizers.close()
         close_index = getattr(self.view.index, "close", None)
         if close_index is not None:
             await close_index()

@@ -11,6 +11,8 @@ counted (`make chart-e2e` shows it):
 3. scale-down under load: a replica pod is deleted while streams run on it; every request finishes.
 4. discovery=kubernetes: routers rolled to EndpointSlice discovery against a loopback API server
    (list + watch, the chart's RBAC enforced); the helm test passes through them.
+5. two models: upgraded to a `models:` list (the bundled weights under two names, a replica each); new
+   routers with no model learn both tokenizers from the registry, route by `model`, helm test asks both.
 """
 
 from __future__ import annotations
@@ -263,3 +265,38 @@ def test_kubernetes_discovery_against_a_loopback_api_server(release):
            api_lists=sum(1 for r in cluster.apiserver.requests if r[1] == "list"),
            watches_open=cluster.apiserver.watches_open, helm_test="passed",
            requests_served=sum(a.status_code == 200 for a in answers))
+
+
+def test_two_models_behind_one_router(release):
+    """`helm upgrade` to a `models:` list: the bundled weights under two names, one replica each (the
+    existing replicas go, as a rollout would remove them). The new routers are given no model: they learn
+    both tokenizers from the registry, route each request to its model's replica, and `helm test` asks
+    both models."""
+    cluster = release
+    names = ("smol", "smol-two")
+    sets = [f"models[{i}].name={n},models[{i}].replicas=1" for i, n in enumerate(names)]
+    upgrade(cluster, *[a for s in sets for a in ("--set", s)])
+    for pod in cluster.pods_of("replica"):
+        cluster.delete_pod(pod)
+    old_routers = cluster.pods_of("router")
+    routers = cluster.start_workload("Deployment", f"{FULLNAME}-router", replicas=1)
+    replicas = {n: cluster.start_workload("Deployment", f"{FULLNAME}-replica-{n}") for n in names}
+    ready_s = cluster.wait(lambda: all(p.ready for p in routers + [p for ps in replicas.values() for p in ps]),
+                           300, "both models' replicas and the new router to be Ready")
+    for pod in old_routers:
+        cluster.delete_pod(pod)
+    router_url = cluster.service_url(f"{FULLNAME}-router")
+    key = api_key(cluster)
+    listed = httpx.get(f"{router_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
+    assert sorted(m["id"] for m in listed["data"]) == sorted(names)
+    for name in names:
+        body = {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+        answer = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=300,
+                            headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == name
+        assert answer.headers["x-pagedserve-replica"] in {p.name for p in replicas[name]}
+    code, output = run_helm_test(cluster)
+    assert code == 0, output
+    assert all(f"OK: {n} answered" in output for n in names)
+    report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")

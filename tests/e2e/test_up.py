@@ -91,3 +91,36 @@ def test_up_with_a_redis_cluster_serves_through_it(tiny_llama_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_up_serves_two_models_with_two_replicas_each_by_name(tiny_llama_dir):
+    """Two models (the tiny weights under two names), two replicas each, one router that was given no
+    model: requests route by `model`, each model's tokenizer having come from the registry."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", f"alpha={tiny_llama_dir}",
+                             "--model", f"beta={tiny_llama_dir}", "--replicas", "2", "--port", str(port),
+                             "--host", "127.0.0.1", "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline()
+        assert "pagedserve up: 4 replicas (alpha x2, beta x2)" in banner, banner
+        children = descendant_pids(proc.pid)
+        url = f"http://127.0.0.1:{port}"
+        listed = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        assert sorted(m["id"] for m in listed) == ["alpha", "beta"]
+        for model in ("alpha", "beta"):
+            seen = set()
+            for i in range(4):
+                r = httpx.post(url + "/v1/completions", timeout=60,
+                               json={"model": model, "prompt": f"request {i} " * 3, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == model
+                seen.add(r.headers["x-pagedserve-replica"])
+            assert seen <= {f"{model}-0", f"{model}-1"} and seen
+        missing = httpx.post(url + "/v1/completions", timeout=10, json={"model": "gamma", "prompt": "x"})
+        assert missing.status_code == 404 and "alpha, beta" in missing.json()["error"]["message"]
+        _interrupt_and_expect_no_orphans(proc, children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -134,3 +134,28 @@ def test_publisher_survives_redis_outage_and_resyncs_blocks(private_redis):
         task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_the_tokenizer_bundle_is_published_and_outlives_a_redis_restart(backend, smol_tokenizer):
+    """The replica publishes its tokenizer bundle under its digest (the router's only source of it); a
+    Redis that lost it gets it again on the next heartbeat."""
+    sink, index = backend
+    info = _info("a")
+    info.tokenizer_digest = smol_tokenizer.digest
+
+    async def go():
+        pub = ReplicaPublisher(sink, info, FakeReplica(), heartbeat_interval=0.05,
+                               tokenizer_bundle=smol_tokenizer.bundle)
+        await pub.tick()
+        assert await index.tokenizer(smol_tokenizer.digest) == smol_tokenizer.bundle
+        states = await index.snapshot([])
+        assert states[0].info.tokenizer_digest == smol_tokenizer.digest
+        if isinstance(sink, RedisSink):
+            await sink.client.flushall()
+            await asyncio.sleep(0.06)
+            await pub.tick()  # the heartbeat notices the bundle is gone and writes it again
+            assert await index.tokenizer(smol_tokenizer.digest) == smol_tokenizer.bundle
+        await pub.close()
+        await index.close()
+
+    asyncio.run(go())

@@ -54,8 +54,14 @@ def replica_app(name: str, seen: list, headers: list) -> FastAPI:
 class FakeReplicas:
     """N fake replicas serving HTTP; their registry records are written as a scheduler would."""
 
-    def __init__(self, redis_url: str, names: list[str], capacity: int = 8, signer=None):
+    def __init__(self, redis_url: str, names: list[str], capacity: int = 8, signer=None, model: str = MODEL,
+                 tokenizer=None):
+        """`tokenizer`: a ModelTokenizer whose bundle they publish, as a scheduler does (None: none)."""
         self.redis_url = redis_url
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapters: dict[str, dict[str, str]] = {n: {} for n in names}  # replica -> resident adapters
+        self.adapter_load_seconds: dict[str, float] = {}
         self.signer = signer  # the internal token their records are signed with, if any
         self.seen: dict[str, list] = {n: [] for n in names}
         self.headers: list[dict] = []  # of every request any of them got, in arrival order
@@ -78,8 +84,11 @@ class FakeReplicas:
             s.__exit__()
 
     def info(self, name: str, url: str | None = None) -> ReplicaInfo:
-        return ReplicaInfo(replica_id=name, url=url or self.servers[name].url, model=MODEL, block_size=BLOCK,
-                           max_model_len=2048, capacity=self.capacity, hash_seed=SEED)
+        return ReplicaInfo(replica_id=name, url=url or self.servers[name].url, model=self.model, block_size=BLOCK,
+                           max_model_len=2048, capacity=self.capacity, hash_seed=model_hash_seed(self.model, BLOCK),
+                           adapters=dict(self.adapters[name]),
+                           tokenizer_digest=self.tokenizer.digest if self.tokenizer is not None else "",
+                           adapter_load_seconds=self.adapter_load_seconds.get(name, 0.0))
 
     def _run(self, fn) -> None:
         async def go():
@@ -93,7 +102,13 @@ class FakeReplicas:
 
     def publish(self, name: str, load: ReplicaLoad, url: str | None = None) -> None:
         self.loads[name], self.urls[name] = load, url
-        self._run(lambda sink: sink.write_state(ReplicaState(self.info(name, url), load), ttl=60))
+
+        async def write(sink):
+            if self.tokenizer is not None:
+                await sink.write_tokenizer(self.tokenizer.digest, self.tokenizer.bundle)
+            await sink.write_state(ReplicaState(self.info(name, url), load), ttl=60)
+
+        self._run(write)
 
     def store_blocks(self, name: str, hashes: list[int]) -> None:
         """Blocks stored, then the record again (it names the generation they are filed under)."""

@@ -65,3 +65,39 @@ def test_other_policies():
     first = ids(sticky.rank(replicas, request(session="s1")))[0]
     assert all(ids(sticky.rank(replicas[::-1], request(blocks=3, session="s1")))[0] == first for _ in range(3))
     assert make_policy("least-loaded").name == "least-loaded"
+
+
+def adapter_state(rid: str, resident: bool, running: int = 0, load_seconds: float = 0.0,
+                  matched: int = 0) -> ReplicaState:
+    info = ReplicaInfo(rid, f"http://{rid}", "m", 16, 4096, 8, 1, adapters={"sql": "aa" * 32} if resident else {},
+                       adapter_load_seconds=load_seconds)
+    return ReplicaState(info, ReplicaLoad(0, running, 0.0, True, 0), matched)
+
+
+def adapter_request(request_seconds: float, matched_blocks: int = 25) -> RouteRequest:
+    return RouteRequest(list(range(1000, 1000 + matched_blocks)), 410, 16, None, "sql", "aa" * 32, request_seconds)
+
+
+def test_an_adapters_measured_load_cost_is_weighed_against_load():
+    policy = PrefixPolicy()
+    # Nothing measured yet: load decides, residency breaks ties.
+    assert ids(policy.rank([adapter_state("a", False), adapter_state("b", True)], adapter_request(0)))[0] == "b"
+    assert ids(policy.rank([adapter_state("a", False), adapter_state("b", True, running=1)],
+                           adapter_request(0)))[0] == "a"
+    # A fast load (50 ms against 2 s requests on 8 slots: 0.2 requests' worth) beats a resident copy with 3
+    # requests ahead; a slow one (2 s: 8 requests' worth) does not.
+    busy_resident = adapter_state("b", True, running=3)
+    assert ids(policy.rank([adapter_state("a", False, load_seconds=0.05), busy_resident],
+                           adapter_request(2.0)))[0] == "a"
+    assert ids(policy.rank([adapter_state("a", False, load_seconds=2.0), busy_resident],
+                           adapter_request(2.0)))[0] == "b"
+    # A replica that never loaded one is charged the slowest load its fleet measured.
+    fleet = [adapter_state("a", False), adapter_state("c", False, running=9, load_seconds=2.0), busy_resident]
+    assert ids(policy.rank(fleet, adapter_request(2.0)))[0] == "b"
+    # A cached prefix of the adapter's own chain pulls within the guard, measured cost included.
+    cached = adapter_state("a", False, load_seconds=0.05, matched=25)
+    assert ids(policy.rank([cached, adapter_state("b", True)], adapter_request(2.0)))[0] == "a"
+    # The base model's requests see no adapter cost at all.
+    base = RouteRequest(list(range(1000, 1025)), 410, 16)
+    assert ids(LeastLoadedPolicy().rank([adapter_state("a", False), adapter_state("b", True, running=1)],
+                                        base))[0] == "a"

@@ -25,6 +25,9 @@ so it is cut at 52 characters to keep every Service name a valid 63-character DN
 
 {{- define "pagedserve.routerName" -}}{{ include "pagedserve.fullname" . }}-router{{- end }}
 {{- define "pagedserve.replicaName" -}}{{ include "pagedserve.fullname" . }}-replica{{- end }}
+{{/* One model's replicas (Deployment or LeaderWorkerSet, autoscaler): <fullname>-replica, or with a
+`models:` list <fullname>-replica-<name>. Called with a model's context (pagedserve.forEachModel). */}}
+{{- define "pagedserve.modelReplicaName" -}}{{ include "pagedserve.replicaName" . }}{{ with .modelKey }}-{{ . }}{{ end }}{{- end }}
 {{/* Headless Service of the schedulers: Kubernetes discovery and metrics scraping. */}}
 {{- define "pagedserve.schedulerServiceName" -}}{{ include "pagedserve.fullname" . }}-scheduler{{- end }}
 {{- define "pagedserve.redisName" -}}{{ include "pagedserve.fullname" . }}-redis{{- end }}
@@ -66,6 +69,50 @@ Labels. Call with (dict "ctx" $ "component" "router").
 app.kubernetes.io/name: {{ include "pagedserve.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- with .ctx.modelKey }}
+pagedserve.dev/model: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Several base models (`models:`): each entry renders the replica templates with a context of its own,
+whose Values are the release's with that model's source, replicas, GPUs, resources and autoscaler laid
+over them, and whose modelKey names its objects and labels its pods. Without a list: the release's own
+context, so a single-model release renders exactly as before. Called with (dict "root" $ "template" NAME).
+*/}}
+{{- define "pagedserve.forEachModel" -}}
+{{- $root := .root }}
+{{- if not $root.Values.models }}
+{{- include .template $root }}
+{{- else }}
+{{- range $i, $m := $root.Values.models }}
+{{- $v := deepCopy $root.Values }}
+{{- $model := $v.model }}
+{{- $_ := set $model "servedModelName" $m.name }}
+{{- range $k := list "source" "pvc" "hostPath" "path" "dtype" "maxModelLen" "convert" }}
+{{- if hasKey $m $k }}{{ $_ := set $model $k (get $m $k) }}{{ end }}
+{{- end }}
+{{- $r := $v.replica }}
+{{- if hasKey $m "replicas" }}{{ $_ := set $r "replicaCount" $m.replicas }}{{ end }}
+{{- if hasKey $m "nodes" }}{{ $_ := set $r "nodes" $m.nodes }}{{ end }}
+{{- if hasKey $m "gpus" }}{{ $_ := set $r.engine "gpus" $m.gpus }}{{ end }}
+{{- if hasKey $m "resources" }}{{ $_ := set $r.engine "resources" $m.resources }}{{ end }}
+{{- if hasKey $m "kvCacheMemory" }}{{ $_ := set $r.engine "kvCacheMemory" $m.kvCacheMemory }}{{ end }}
+{{- if hasKey $m "numKvBlocks" }}{{ $_ := set $r.engine "numKvBlocks" $m.numKvBlocks }}{{ end }}
+{{- with $m.autoscaling }}
+{{- $kind := default "none" .kind }}
+{{- $_ := set $v.autoscaling "enabled" (eq $kind "hpa") }}
+{{- $_ := set $v.keda "enabled" (eq $kind "keda") }}
+{{- $_ := mergeOverwrite $v.autoscaling (omit . "kind") }}
+{{- end }}
+{{- $ctx := dict "Values" $v "Release" $root.Release "Chart" $root.Chart "Capabilities" $root.Capabilities
+      "Files" $root.Files "Template" $root.Template "modelKey" $m.name }}
+{{- with include $.template $ctx }}
+---
+{{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "pagedserve.labels" -}}
@@ -326,7 +373,20 @@ Scale to zero: KEDA with minReplicas 0, or an idleReplicaCount of 0. Routers the
 no replica is ready (--cold-start-timeout) instead of refusing them.
 */}}
 {{- define "pagedserve.scalesToZero" -}}
-{{- if and .Values.keda.enabled (or (eq (int .Values.autoscaling.minReplicas) 0) (and (not (kindIs "invalid" .Values.keda.idleReplicaCount)) (eq (int .Values.keda.idleReplicaCount) 0))) }}true{{ end }}
+{{- $idle := and (not (kindIs "invalid" .Values.keda.idleReplicaCount)) (eq (int .Values.keda.idleReplicaCount) 0) }}
+{{- $global := and .Values.keda.enabled (or (eq (int .Values.autoscaling.minReplicas) 0) $idle) }}
+{{- if not .Values.models }}
+{{- if $global }}true{{ end }}
+{{- else }}
+{{- /* Any model that may scale to zero: KEDA of its own, or the release's it inherits. */}}
+{{- range $m := .Values.models }}
+{{- with $m.autoscaling }}
+{{- if and (eq (default "none" .kind) "keda") (or (eq (int (ternary .minReplicas $.Values.autoscaling.minReplicas (hasKey . "minReplicas"))) 0) $idle) }}true{{ end }}
+{{- else }}
+{{- if $global }}true{{ end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "pagedserve.coldStartTimeout" -}}
@@ -449,6 +509,25 @@ Checks across values that the JSON schema cannot express; each fails with the va
 {{- $r := .Values.replica }}
 {{- if and (gt (int $r.engine.gpus) 1) (not $r.engine.shmSize) }}
 {{- fail "replica.engine.shmSize is required when replica.engine.gpus > 1: the ranks of a pod pass data to each other through /dev/shm" }}
+{{- end }}
+{{- range $m := .Values.models }}
+{{- with $m.autoscaling }}
+{{- $kind := default "none" .kind }}
+{{- $min := ternary .minReplicas $a.minReplicas (hasKey . "minReplicas") }}
+{{- $max := ternary .maxReplicas $a.maxReplicas (hasKey . "maxReplicas") }}
+{{- if gt (int $min) (int $max) }}
+{{- fail (printf "models[%s].autoscaling.minReplicas (%v) must not exceed its maxReplicas (%v)" $m.name $min $max) }}
+{{- end }}
+{{- if and (eq $kind "keda") (not $.Values.keda.serverAddress) }}
+{{- fail (printf "models[%s].autoscaling.kind=keda needs keda.serverAddress (the Prometheus KEDA queries)" $m.name) }}
+{{- end }}
+{{- if and (eq $kind "hpa") (lt (int $min) 1) }}
+{{- fail (printf "models[%s].autoscaling.minReplicas must be at least 1 for the HPA; scale to zero needs kind keda" $m.name) }}
+{{- end }}
+{{- end }}
+{{- if and (gt (int (ternary $m.gpus $r.engine.gpus (hasKey $m "gpus"))) 1) (not $r.engine.shmSize) }}
+{{- fail (printf "replica.engine.shmSize is required when models[%s].gpus > 1" $m.name) }}
+{{- end }}
 {{- end }}
 {{- $ra := .Values.router.autoscaling }}
 {{- if and $ra.enabled (gt (int $ra.minReplicas) (int $ra.maxReplicas)) }}

@@ -391,5 +391,5 @@ kind: LeaderWorkerSet
 apiVersion: apps/v1
 kind: Deployment
 {{- end }}
-name: {{ include "pagedserve.replicaName" . }}
+name: {{ include "pagedserve.modelReplicaName" . }}
 {{- end }}
