@@ -11,6 +11,10 @@ blocks are hashed: a partial block's content is still changing.
 A cache salt (vLLM's `cache_salt`) changes the root, so blocks of different salts never match: the
 router can give each API key its own salt, and then no key learns from `cached_tokens` or from timing
 whether another key's prompt is cached.
+
+A LoRA adapter roots its requests' chains in the digest of its files (`adapter_seed`), the cache salt
+applying on top: blocks are shared exactly between requests of the same adapter content, whatever name
+it was loaded under, and an adapter reloaded with new weights starts a chain of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ def salted_seed(seed: int, cache_salt: str | None) -> int:
     if not cache_salt:
         return seed
     return _digest(seed.to_bytes(_HASH_BYTES, "big") + b"salt:" + cache_salt.encode("utf-8"))
+
+
+def adapter_seed(seed: int, adapter_digest: str) -> int:
+    """The root of the chains of requests for the LoRA adapter whose files hash to `adapter_digest`
+    (sha256 hex, services/lora_files.py); `salted_seed` then applies a cache salt on top."""
+    return _digest(seed.to_bytes(_HASH_BYTES, "big") + b"lora:" + adapter_digest.encode("ascii"))
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
