@@ -90,9 +90,8 @@ class LLM:
         names = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(names) != len(prompts):
             raise ValueError(f"{len(names)} lora_request names for {len(prompts)} prompts")
-        loras = [None if n is None else self.core.loras.get(n) for n in names]
-        for n, ref in zip(names, loras, strict=True):
-            if n is not None and ref is None:
+        for n in names:
+            if n is not None and self.core.loras.get(n) is None:
                 raise InvalidRequestError("lora_request", f"no adapter named {n!r} is loaded")
         token_lists = [self._to_token_ids(p) for p in prompts]
         for ids, p in zip(token_lists, plist, strict=True):
@@ -104,9 +103,9 @@ class LLM:
         grammars = [None if p.structured_outputs is None else self.core.grammars.compile(p.structured_outputs)
                     for p in plist]
         rids = []
-        for ids, p, grammar, lora in zip(token_lists, plist, grammars, loras, strict=True):
+        for ids, p, grammar, name in zip(token_lists, plist, grammars, names, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.core.add_request(rid, ids, p, validated=True, grammar=grammar, lora=lora)
+            self.core.add_request(rid, ids, p, validated=True, grammar=grammar, lora_name=name)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 

@@ -33,6 +33,7 @@ class ReplicaInfo:
     # The id its blocks are filed under in the prefix index (services.registry.keys): a new random one at
     # each full resync, so the entries of an old generation, or of a dead replica, simply stop counting.
     generation: int = 0
+    adapters: dict[str, str] = field(default_factory=dict)  # resident LoRA adapters: name -> adapter_digest
 
     @property
     def identity(self) -> ModelIdentity:

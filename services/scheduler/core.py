@@ -63,6 +63,10 @@ class _Group:
             SequenceStatus.FINISHED_ERROR, SequenceStatus.FINISHED_ABORTED))
 
 
+def _lora_names(seqs) -> tuple[str, ...]:
+    return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
+
+
 def best_of(outs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
     """The n samples of highest cumulative logprob (OpenAI's and vLLM v0's best_of), renumbered 0..n-1.
     Ties keep sample order, so the choice is deterministic."""
@@ -141,10 +145,11 @@ class SchedulerCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stream: bool = False, validated: bool = False, grammar: CompiledGrammar | None = None,
-                    lora: LoraRef | None = None) -> None:
+                    lora_name: str | None = None) -> None:
         """Queue a request; `validated` when the caller already ran `validate` on it; `grammar`: its
         structured_outputs compiled (else compiled here, blocking: callers with a step loop compile first);
-        `lora`: the adapter it runs with (from `self.loras`), whose digest roots its block-hash chain."""
+        `lora_name`: the loaded adapter it runs with (resolved here, on the loop thread, so a load or unload
+        racing the request either precedes it or follows it), whose digest roots its block-hash chain."""
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not validated:
@@ -154,10 +159,11 @@ class SchedulerCore:
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
         if grammar is not None:
             req.guide = grammar.new_guide()
-        root = self.hash_seed
-        if lora is not None:
-            if self.scheduler.loras is None:
-                raise InvalidRequestError("model", "this replica serves no LoRA adapters")
+        root, lora = self.hash_seed, None
+        if lora_name is not None:
+            lora = self.loras.get(lora_name)
+            if lora is None:
+                raise InvalidRequestError("model", f"the LoRA adapter {lora_name!r} is not loaded here")
             req.lora = lora
             root = adapter_seed(root, lora.digest)
         if params.cache_salt or lora is not None:
@@ -438,7 +444,9 @@ class SchedulerCore:
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             guided=GuidedStats(self.grammars.stats.compiles, self.grammars.stats.compile_seconds,
                                self.grammars.stats.cache_hits, self.grammars.stats.failures, self.mask_steps,
-                               self.mask_seconds, self.constrained_rows, self.sampled_rows))
+                               self.mask_seconds, self.constrained_rows, self.sampled_rows),
+            max_loras=self.info.max_loras, running_loras=_lora_names(sched.running),
+            waiting_loras=_lora_names(sched.waiting))
 
     def _record_event(self, event: KVEvent) -> None:
         self._events.append(event)

@@ -87,7 +87,7 @@ def test_unload_waits_for_requests_in_flight(tiny_model_dir, adapters):
     llm.load_lora("A", str(adapters["A"]))
     ref = llm.core.loras.get("A")
     for i, p in enumerate(_prompts(4)):
-        llm.core.add_request(f"r{i}", p, GREEDY, lora=ref)
+        llm.core.add_request(f"r{i}", p, GREEDY, lora_name="A")
     llm.core.step()
     llm.unload_lora("A")
     assert llm.runner.lora.knows(ref.digest), "requests in flight still use it"
