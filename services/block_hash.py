@@ -11,6 +11,10 @@ blocks are hashed: a partial block's content is still changing.
 A cache salt (vLLM's `cache_salt`) changes the root, so blocks of different salts never match: the
 router can give each API key its own salt, and then no key learns from `cached_tokens` or from timing
 whether another key's prompt is cached.
+
+A LoRA adapter roots its requests' chains in the digest of its files (`adapter_seed`), the cache salt
+applying on top: blocks are shared exactly between requests of the same adapter content, whatever name
+it was loaded under, and an adapter reloaded with new weights starts a chain of its own.
 """
 
 from __future__ import annotations

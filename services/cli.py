@@ -102,6 +102,9 @@ def _add_bench(sub) -> None:
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks pagedserve's engine is split across")
     t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    t.add_argument("--lora-adapters", default=None,
+                   help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: throughput of each "
+                        "and its ratio to the base model (0) in the same run, instead of the baselines")
     t.set_defaults(handler="services.bench.throughput:run")
     r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
     r.add_argument("--replicas", type=int, default=3)

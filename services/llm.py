@@ -27,7 +27,8 @@ class LLM:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
                  max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve"):
+                 tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve",
+                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
         from services.engine.tp_launch import start_runner
 
         # tensor_parallel_size > 1: this process is rank 0 and starts the other ranks as child processes.
@@ -35,7 +36,8 @@ class LLM:
             model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=parse_bytes(kv_cache_memory), max_model_len=max_model_len,
             attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size, tp_timeout=tp_timeout))
+            tensor_parallel_size=tensor_parallel_size, tp_timeout=tp_timeout, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
@@ -68,14 +70,29 @@ class LLM:
             raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
+    def load_lora(self, name: str, path: str):
+        """Load (or reload) the PEFT adapter in directory `path` under `name` (trusted: any path)."""
+        return self.core.load_lora(name, path)
+
+    def unload_lora(self, name: str):
+        return self.core.unload_lora(name)
+
     def generate(self, prompts: str | Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: the name of a loaded adapter for every prompt, or one name (None: the base model)
+        per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        names = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(names)} lora_request names for {len(prompts)} prompts")
+        for n in names:
+            if n is not None and self.core.loras.get(n) is None:
+                raise InvalidRequestError("lora_request", f"no adapter named {n!r} is loaded")
         token_lists = [self._to_token_ids(p) for p in prompts]
         for ids, p in zip(token_lists, plist, strict=True):
             self.core.validate(ids, p)
@@ -86,9 +103,9 @@ class LLM:
         grammars = [None if p.structured_outputs is None else self.core.grammars.compile(p.structured_outputs)
                     for p in plist]
         rids = []
-        for ids, p, grammar in zip(token_lists, plist, grammars, strict=True):
+        for ids, p, grammar, name in zip(token_lists, plist, grammars, names, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.core.add_request(rid, ids, p, validated=True, grammar=grammar)
+            self.core.add_request(rid, ids, p, validated=True, grammar=grammar, lora_name=name)
             rids.append(rid)
         return self._run(rids, use_tqdm)
 

@@ -20,6 +20,9 @@ GENERATION_TOKENS = "pagedserve_generation_tokens_total"  # counter
 TIME_TO_FIRST_TOKEN = "pagedserve_time_to_first_token_seconds"  # histogram
 INTER_TOKEN_LATENCY = "pagedserve_inter_token_latency_seconds"  # histogram
 E2E_REQUEST_LATENCY = "pagedserve_e2e_request_latency_seconds"  # histogram
+# vLLM's own name and labels (running_lora_adapters, waiting_lora_adapters, max_lora), so gateways that read
+# vLLM's LoRA residency (llm-d, AIBrix, Gateway API inference extension) read pagedserve's too.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 # Structured output (counters): compile time per compile = compile_seconds / compiles; mask time per step =
 # mask_seconds / mask_steps; constrained share of rows = constrained_rows / sampled_rows.
 GUIDED_COMPILES = "pagedserve_structured_output_compiles_total"

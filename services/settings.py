@@ -22,6 +22,7 @@ class Option:
     default: Any = None
     choices: tuple[str, ...] | None = None
     is_switch: bool = False  # boolean flag with a --no-... twin
+    nargs: str | None = None  # "+": several values (the env var holds them separated by spaces)
 
     @property
     def dest(self) -> str:
@@ -112,26 +113,38 @@ IN_PROCESS_ENGINE = Option("--in-process-engine", "serve: run the engine in this
                            type=_parse_bool, default=False, is_switch=True)
 MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its running batch before it answers "
                      "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=int)
+MAX_LORAS = Option("--max-loras", "LoRA adapters resident at once (slots; 0: no adapters)", type=int, default=0)
+MAX_LORA_RANK = Option("--max-lora-rank", "highest LoRA rank served (every slot is padded to it)", type=int,
+                       default=16)
+MAX_CPU_LORAS = Option("--max-cpu-loras", "loaded LoRA adapters kept in host memory (LRU; default: "
+                       "max(--max-loras, 8))", type=int)
+LORA_MODULES = Option("--lora-modules", "LoRA adapters to load at start, NAME=PATH each (vLLM's spelling)",
+                      nargs="+")
+LORA_DIR = Option("--lora-dir", "the directory run-time loads (/v1/load_lora_adapter) may read adapters from")
+LORA_ADMIN_KEY = Option("--lora-admin-key", "the key of /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(distinct from API keys; prefer the env var); unset: run-time loading is off")
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 # The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
 _ENGINE_CORE = (MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, ATTENTION_BACKEND,
                 ENFORCE_EAGER, MAX_NUM_SEQS, LOAD_FORMAT, TENSOR_PARALLEL_SIZE, TP_LOCAL_RANKS, TP_RENDEZVOUS,
-                TP_TIMEOUT)
+                TP_TIMEOUT, MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS)
+_LORA_SERVING = (LORA_MODULES, LORA_DIR, LORA_ADMIN_KEY)
 ENGINE_OPTIONS = (ENGINE_HOST, *_ENGINE_CORE, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
 # A tensor-parallel rank other than 0: no port, no token (it talks only to its group).
 ENGINE_WORKER_OPTIONS = (*_ENGINE_CORE, TP_NODE_RANK, TP_LOCAL_RANK, LOG_LEVEL)
 _SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
-                     INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+                     INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, *_LORA_SERVING, LOG_LEVEL)
 ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, INTERNAL_TOKEN_FILE,
                   INTERNAL_TOKEN, DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT,
                   MAX_BODY_BYTES, REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
                  ATTENTION_BACKEND, ENFORCE_EAGER, TENSOR_PARALLEL_SIZE, TP_TIMEOUT, *_SCHEDULING, API_KEYS_FILE,
-                 API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE, LOG_LEVEL)
+                 API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE, MAX_LORAS, MAX_LORA_RANK,
+                 MAX_CPU_LORAS, *_LORA_SERVING, LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}
@@ -148,7 +161,9 @@ def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], po
             continue
         seen.add(opt.dest)
         default = opt.default
-        if opt.env in os.environ:
+        if opt.env in os.environ and opt.nargs:
+            default = [opt.type(v) for v in os.environ[opt.env].split()]
+        elif opt.env in os.environ:
             default = opt.type(os.environ[opt.env]) if opt.type is not str else os.environ[opt.env]
         help_text = f"{opt.help} (env {opt.env})"
         if opt.is_switch:
@@ -156,7 +171,7 @@ def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], po
                                 help=help_text)
         else:
             parser.add_argument(opt.flag, dest=opt.dest, type=opt.type, default=default, choices=opt.choices,
-                                help=help_text)
+                                nargs=opt.nargs, help=help_text)
 
 
 # Env vars read outside this table: the cache root (services.model_source, kernels.cpu.build) and the

@@ -71,6 +71,7 @@ class ScheduledSequence:
     # (little-endian int32 words, as bytes: 4 * ceil(vocab / 32) of them). None: unconstrained.
     token_bitmask: bytes | None = None
     penalties: PenaltySpec | None = None  # only on rows that sample and ask for one
+    lora_slot: int = -1  # the LoRA slot whose adapter this sequence runs with (-1: the base model)
 
 
 @dataclass(slots=True)
@@ -79,6 +80,9 @@ class SchedulerOutput:
     sequences: list[ScheduledSequence]
     # Copy-on-write: (src_block, dst_block) pairs the engine copies before writing this step's KV.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (slot, adapter digest) of every LoRA slot a sequence of this step uses: the engine copies an adapter
+    # into its slot when the slot holds another one (the scheduler owns the assignment).
+    lora_slots: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +96,10 @@ class SchedulerOutput:
             if s.penalties is not None:  # the common row carries nothing of it
                 d["penalties"] = _fields(s.penalties)
             seqs.append(d)
-        return {"step_id": self.step_id, "sequences": seqs, "blocks_to_copy": [list(p) for p in self.blocks_to_copy]}
+        wire = {"step_id": self.step_id, "sequences": seqs, "blocks_to_copy": [list(p) for p in self.blocks_to_copy]}
+        if self.lora_slots:
+            wire["lora_slots"] = [list(p) for p in self.lora_slots]
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> SchedulerOutput:
@@ -101,7 +108,8 @@ class SchedulerOutput:
             for s in d["sequences"]
         ]
         return cls(step_id=d["step_id"], sequences=seqs,
-                   blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]])
+                   blocks_to_copy=[tuple(p) for p in d["blocks_to_copy"]],
+                   lora_slots=[tuple(p) for p in d.get("lora_slots", ())])
 
 
 # Every field of a ScheduledSequence but the optional sub-specs, which go on the wire only when present.
@@ -149,6 +157,8 @@ class EngineInfo:
     dtype: str
     device: str
     eos_token_ids: list[int] = field(default_factory=list)
+    max_loras: int = 0  # LoRA slots (0: no adapters)
+    max_lora_rank: int = 0
 
     def to_wire(self) -> dict:
         return asdict(self)

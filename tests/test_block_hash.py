@@ -8,7 +8,7 @@ import subprocess
 import sys
 from array import array
 
-from services.block_hash import hash_block, hash_blocks, model_hash_seed, salted_seed
+from services.block_hash import adapter_seed, hash_block, hash_blocks, model_hash_seed, salted_seed
 from services.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from tests.scheduler.conftest import shared_tokenizer
@@ -62,3 +62,12 @@ def test_the_scheduler_reuses_blocks_only_within_one_salt():
     assert cached("b1", "b") == 0
     assert cached("none", None) == 0
     assert cached("none2", None) == 20
+
+
+def test_adapter_seed_roots_a_chain_per_adapter_content():
+    seed = model_hash_seed("m", 16)
+    a, b = "a" * 64, "b" * 64
+    assert adapter_seed(seed, a) == adapter_seed(seed, a)
+    assert len({seed, adapter_seed(seed, a), adapter_seed(seed, b), adapter_seed(model_hash_seed("m", 32), a)}) == 4
+    # The cache salt applies on top of the adapter's root, and neither can stand in for the other.
+    assert salted_seed(adapter_seed(seed, a), "k") not in {adapter_seed(seed, a), salted_seed(seed, "k")}

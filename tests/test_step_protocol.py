@@ -24,16 +24,21 @@ penalties = st.none() | st.builds(PenaltySpec, st.floats(-2, 2), st.floats(-2, 2
                                    st.floats(0, 1), ints, st.lists(st.floats(-100, 100), max_size=40), ints, ints)
 sequences = st.builds(ScheduledSequence, st.text(min_size=1, max_size=40), ints, st.integers(0, 8192), ints,
                       st.booleans(), specs, st.integers(1, 4), st.integers(0, 3), st.integers(0, 4096), ints,
-                      st.none() | st.binary(max_size=16), penalties)
+                      st.none() | st.binary(max_size=16), penalties, st.integers(-1, 7))
 outputs = st.builds(SchedulerOutput, st.integers(0, 2**40), st.lists(sequences, max_size=8),
-                    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_size=4))
+                    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), max_size=4),
+                    st.lists(st.tuples(st.integers(0, 7), st.text(alphabet="0123456789abcdef", min_size=64,
+                                                                  max_size=64)), max_size=3))
 
 
 @settings(max_examples=60, deadline=None)
 @given(outputs)
 def test_scheduler_output_round_trips_and_matches_asdict(out):
     wire = out.to_wire()
-    expected = {**dataclasses.asdict(out), "blocks_to_copy": [list(p) for p in out.blocks_to_copy]}
+    expected = {**dataclasses.asdict(out), "blocks_to_copy": [list(p) for p in out.blocks_to_copy],
+                "lora_slots": [list(p) for p in out.lora_slots]}
+    if not out.lora_slots:
+        del expected["lora_slots"]  # a step without adapters carries nothing of them
     for s in expected["sequences"]:
         if s["penalties"] is None:
             del s["penalties"]  # a row without penalties carries nothing of them

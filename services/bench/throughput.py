@@ -84,6 +84,21 @@ def run(args) -> int:
     from services.bench.null_executor import scheduler_ms_per_step
 
     tp = getattr(args, "tensor_parallel_size", 1)
+    if getattr(args, "lora_adapters", None):
+        from services.bench import lora_mix
+
+        try:
+            counts = sorted({int(c) for c in args.lora_adapters.split(",")})
+        except ValueError:
+            print(f"--lora-adapters: expected counts like 0,1,4, got {args.lora_adapters!r}", file=sys.stderr)
+            return 2
+        if counts[0] < 0:
+            print("--lora-adapters: counts must be >= 0", file=sys.stderr)
+            return 2
+        report = lora_mix.run(args, counts)
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2))
+        return 0
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
     requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)

@@ -38,6 +38,9 @@ def replica_settings(args) -> ReplicaSettings:
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
                            max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+                           lora_modules=list(getattr(args, "lora_modules", None) or []),
+                           lora_dir=getattr(args, "lora_dir", None),
+                           lora_admin_key=getattr(args, "lora_admin_key", None),
                            internal_token=InternalToken.from_sources(getattr(args, "internal_token_file", None),
                                                                      getattr(args, "internal_token", None)))
 

@@ -19,6 +19,7 @@ import time
 from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.scheduler import replica_settings
 from services.internal_auth import InternalToken
+from services.openai_api.errors import APIError
 from services.openai_api.server import make_server, run_servers
 from services.ports import free_port
 from services.registry.memory_index import MemoryIndex
@@ -78,9 +79,18 @@ async def _restart_dead(child: Child) -> None:
             child.start()
 
 
+def _is_api_key(keys: ApiKeys, candidate: str) -> bool:
+    try:
+        return keys.check(f"Bearer {candidate}") is not None
+    except APIError:
+        return False
+
+
 def run(args) -> int:
     try:
         keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)  # before minutes of model loading
+        if args.lora_admin_key and _is_api_key(keys, args.lora_admin_key):
+            raise ValueError("--lora-admin-key must differ from every API key (a client key must not load adapters)")
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pagedserve serve: {exc}") from None
     # The replica's port is on loopback, but any local process could reach it there: only our router may.
@@ -109,8 +119,12 @@ def run(args) -> int:
         ours, content_type = router.metrics.render()
         return ours + replica.metrics.render()[0], content_type
 
+    public = create_router_app(router, render_metrics)
+    if replica.lora_admin is not None:  # one process: the admin endpoints on the public port too
+        public.add_api_route("/v1/load_lora_adapter", replica.lora_admin.load, methods=["POST"])
+        public.add_api_route("/v1/unload_lora_adapter", replica.lora_admin.unload, methods=["POST"])
     servers = [make_server(replica.app, "127.0.0.1", internal_port, drain, args.log_level),
-               make_server(create_router_app(router, render_metrics), args.host, args.port, drain, args.log_level)]
+               make_server(public, args.host, args.port, drain, args.log_level)]
     background = [publisher.run(), replica.replica.supervise()]
     if child is not None:
         background.append(_restart_dead(child))

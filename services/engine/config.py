@@ -31,6 +31,9 @@ class EngineConfig:
     tp_local_ranks: int | None = None  # ranks on each machine; None: all of them on this one
     tp_rendezvous: str | None = None  # tcp://host:port when the group spans machines; None: a private file
     tp_timeout: float = 60.0  # seconds a rank waits in a collective before the group counts as broken
+    max_loras: int = 0  # LoRA adapter slots resident at once (0: no adapters)
+    max_lora_rank: int = 16  # the rank every slot is padded to; an adapter of higher rank is refused
+    max_cpu_loras: int | None = None  # loaded adapters kept in host memory (default: max(max_loras, 8))
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
@@ -42,6 +45,10 @@ class EngineConfig:
                                       and self.tensor_parallel_size % local == 0):
             raise ValueError(f"tp_local_ranks must divide tensor_parallel_size {self.tensor_parallel_size} "
                              f"(ranks per machine), got {local}")
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be an integer in [1, 512], got {self.max_lora_rank!r}")
         if not self.tp_timeout > 0:
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
 
@@ -62,7 +69,9 @@ class EngineConfig:
                    enforce_eager=bool(args.enforce_eager), max_num_seqs=args.max_num_seqs,
                    load_format=opt("load_format", "safetensors"),
                    tensor_parallel_size=opt("tensor_parallel_size", 1), tp_local_ranks=opt("tp_local_ranks", None),
-                   tp_rendezvous=opt("tp_rendezvous", None), tp_timeout=opt("tp_timeout", 60.0))
+                   tp_rendezvous=opt("tp_rendezvous", None), tp_timeout=opt("tp_timeout", 60.0),
+                   max_loras=opt("max_loras", 0), max_lora_rank=opt("max_lora_rank", 16),
+                   max_cpu_loras=opt("max_cpu_loras", None))
 
     def as_flags(self) -> list[str]:
         """The flags that rebuild this config (`from_args(parse(as_flags()))` equals it)."""

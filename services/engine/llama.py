@@ -24,6 +24,7 @@ from services.engine.linear import make_linear_factory
 from services.engine.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
+    from services.engine.lora.batch import LoraBatch
     from services.engine.parallel_state import RankGroup
     from services.engine.tp_shard import TensorParallelShard
 
@@ -120,8 +121,9 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                sample_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns logits (in the model's dtype) and the final hidden state, for the rows in `sample_idx` only."""
+                sample_idx: torch.Tensor, lora: LoraBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns logits (in the model's dtype) and the final hidden state, for the rows in `sample_idx` only.
+        `lora`: the step's adapter tokens, whose projections get their adapter's delta added."""
         c = self.config
         eps = c.rms_norm_eps
         fused = self.fused
@@ -138,6 +140,8 @@ class LlamaModel:
                 h = h if delta is None else h + delta
                 x = rms_norm(h, layer["input_norm"], eps)
             qkv = layer["qkv"](x)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
             if fused is not None:
                 fused.rope_inplace(qkv, positions, self.rope.cos, self.rope.sin, heads + kv_heads, c.head_dim)
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -148,18 +152,28 @@ class LlamaModel:
                 q, k = self.rope(positions, q.view(T, heads, c.head_dim), k.view(T, kv_heads, c.head_dim))
             v = v.view(T, kv_heads, c.head_dim)
             o = self.attn(q, k, v, k_cache, v_cache, meta, self.scale)
-            delta = layer["o"](o.reshape(T, self.q_size))
+            o = o.reshape(T, self.q_size)
+            delta = layer["o"](o)
+            if lora is not None:
+                lora.apply(i, "o", o, delta)
             if reduce is not None:
                 reduce(delta)
             if fused is not None:
                 x = fused.add_rms_norm(h, delta, layer["post_norm"], eps)
-                act = fused.silu_mul(layer["gate_up"](x))
             else:
                 h = h + delta
                 x = rms_norm(h, layer["post_norm"], eps)
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            gate_up = layer["gate_up"](x)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, gate_up)
+            if fused is not None:
+                act = fused.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
             delta = layer["down"](act)
+            if lora is not None:
+                lora.apply(i, "down", act, delta)
             if reduce is not None and i != last:
                 reduce(delta)
         delta = delta.index_select(0, sample_idx)

@@ -27,14 +27,18 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from services.engine.kernel_warmup import warm_up
 from services.engine.load_memory import RankMemory, memory_in_use
+from services.engine.lora.batch import LoraBatch
+from services.engine.lora.slots import LoraSlots
+from services.engine.lora.weights import LoraWeights, load_weights
 from services.engine.model_loader import load_llama, random_llama, read_config
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
 from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
+from services.lora_files import AdapterError, read_adapter
 from services.model_source import model_id_of, resolve_model
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput, StepFault
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,7 @@ class ModelRunner:
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
+        self.lora = self._lora_slots() if config.max_loras else None
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
                                                   cfg.vocab_size), self.device)
         if self.device.type == "cuda" and backend == "triton":
@@ -156,7 +161,8 @@ class ModelRunner:
         self.info = EngineInfo(
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
-            eos_token_ids=eos)
+            eos_token_ids=eos, max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank if config.max_loras else 0)
         if group is not None and group.rank != 0:
             log.info("tensor-parallel rank %d of %d ready on %s: %s", group.rank, group.size, self.device,
                      self.memory[group.rank].describe())
@@ -168,6 +174,65 @@ class ModelRunner:
                  "" if group is None else " per rank")
         for m in self.memory:
             log.info("memory: %s", m.describe())
+
+    def _lora_slots(self) -> LoraSlots:
+        c = self.config
+        if self.group is not None:
+            raise ValueError("LoRA adapters (--max-loras) are not supported with tensor parallelism yet: serve "
+                             "adapters with --tensor-parallel-size 1")
+        m = self.model
+        return LoraSlots(m.config, m.num_heads, m.num_kv_heads, c.max_loras, c.max_lora_rank, self.dtype, self.device,
+                         c.max_cpu_loras or max(c.max_loras, 8), self._read_lora)
+
+    def _read_lora(self, digest: str | None, path: str) -> LoraWeights:
+        """The adapter in directory `path`, checked; `digest`: what it must still be (a reload)."""
+        files = read_adapter(path, path, self.config.max_lora_rank)
+        if digest is not None and files.digest != digest:
+            raise AdapterError("lora_path", f"the files of adapter {digest[:12]} changed since it was loaded: load "
+                               f"it again (a new digest)")
+        m = self.model
+        return load_weights(files, m.config, m.num_heads, m.num_kv_heads, self.dtype)
+
+    def load_lora(self, path: str) -> dict:
+        """Read, check and keep the adapter in directory `path` (trusted: the scheduler checked where it is);
+        returns {"digest", "rank"}. Raises AdapterError naming what is wrong."""
+        if self.lora is None:
+            raise AdapterError("lora", "this engine serves no LoRA adapters: start it with --max-loras")
+        weights = self._read_lora(None, path)
+        self.lora.add(weights, path)
+        log.info("LoRA adapter %s loaded from %s: rank %d, %.1f MiB", weights.digest[:12], path, weights.rank,
+                 weights.nbytes / 2**20)
+        return {"digest": weights.digest, "rank": weights.rank}
+
+    def unload_lora(self, digest: str) -> None:
+        if self.lora is not None:
+            self.lora.remove(digest)
+
+    def _activate_loras(self, out: SchedulerOutput) -> None:
+        """Check the step's LoRA fields and copy into its slots the adapters they must hold."""
+        faults, slots = [], {}
+        n = self.lora.max_loras if self.lora is not None else 0
+        for pair in out.lora_slots:
+            ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and type(pair[0]) is int and 0 <= pair[0] < n
+                  and isinstance(pair[1], str) and pair[0] not in slots)
+            if not ok:
+                faults.append(StepFault(None, "lora_slots", f"{pair!r} is not a (slot < {n}, digest) pair"))
+            elif not self.lora.knows(pair[1]):
+                slots[pair[0]] = None
+            else:
+                slots[pair[0]] = pair[1]
+        for s in out.sequences:
+            slot = s.lora_slot
+            if type(slot) is not int or not -1 <= slot < n:
+                faults.append(StepFault(s.seq_id, "lora_slot", f"{slot!r} is not -1 or a slot below {n}"))
+            elif slot >= 0 and slot not in slots:
+                faults.append(StepFault(s.seq_id, "lora_slot", f"slot {slot} is not named in lora_slots"))
+            elif slot >= 0 and slots[slot] is None:
+                faults.append(StepFault(s.seq_id, "lora_slot", f"slot {slot}'s adapter is not loaded here"))
+        if faults:
+            raise InvalidStepError.from_faults(faults)
+        for slot, digest in slots.items():
+            self.lora.activate(slot, digest)
 
     def _check_group_geometry(self, hf_cfg: dict) -> list[RankMemory]:
         """Every rank must agree on the pool, the model and what its collectives depend on (the
@@ -242,8 +307,9 @@ class ModelRunner:
                 self._copy_blocks(t.copy_src, t.copy_dst)
             if not step.num_tokens:
                 return None
+            lora = LoraBatch.of(self.lora, step.lora_segments, self.device) if step.lora_segments else None
             logits, hidden = self.model.forward(t.input_ids, t.positions, self._metadata(step, t), self.kv_caches,
-                                                t.sample_idx)
+                                                t.sample_idx, lora)
         if self.group is not None and step.num_sampled:
             logits = self.model.gather_logits(logits[:step.num_sampled])
         return logits, hidden
@@ -252,6 +318,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Raises InvalidStepError (naming the sequences) before touching the device for a bad step."""
         graphs = self.graphs
+        self._activate_loras(out)
         step = self.inputs.build(out, graphs.batch_for if graphs is not None else None)
         result = ModelRunnerOutput(step_id=out.step_id)
         if self.sender is None:

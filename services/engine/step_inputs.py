@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import array
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -118,6 +118,8 @@ class StepInputs:
     num_copies: int = 0
     graph_batch: int | None = None  # a decode-only step padded to this captured batch size
     num_real_decodes: int = 0
+    # (LoRA slot, first token, end token) of each sequence's tokens in the batch; empty: no adapter
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_sampled(self) -> int:
@@ -202,8 +204,9 @@ class StepInputBuilder:
         nd, npf = len(decodes), len(prefills)
         decode_max = max((s.start_pos + 1 for s in decodes), default=0)
         batch = None
+        # Steps with LoRA tokens run eagerly: the graphs are captured for the base model's forward.
         if graph_batch_for is not None and not npf and not pairs and nd and all(
-                s.sample and s.num_samples == 1 for s in decodes):
+                s.sample and s.num_samples == 1 and s.lora_slot < 0 for s in decodes):
             batch = graph_batch_for(nd, decode_max)
         if batch is not None:
             return self._decode_graph_step(decodes, decode_blocks, batch)
@@ -305,7 +308,20 @@ class StepInputBuilder:
         if np.unique(slots).size != slots.size:
             raise _Refused  # two sequences writing one KV slot: a copy-on-write the scheduler forgot
         return StepInputs(layout, host, num_tokens, nd, decode_max, max_q, max_ctx, spans, rows, owners,
-                          num_copies=len(pairs), num_real_decodes=nd)
+                          num_copies=len(pairs), num_real_decodes=nd,
+                          lora_segments=self._lora_segments(decodes + prefills))
+
+    @staticmethod
+    def _lora_segments(ordered) -> list[tuple[int, int, int]]:
+        if all(s.lora_slot < 0 for s in ordered):
+            return []
+        out, at = [], 0
+        for s in ordered:
+            n = len(s.token_ids)
+            if s.lora_slot >= 0:
+                out.append((s.lora_slot, at, at + n))
+            at += n
+        return out
 
     def _decode_graph_step(self, decodes, decode_blocks, batch: tuple[int, int]) -> StepInputs:
         """A decode-only step padded to a captured batch size: padding rows write nowhere (slot -1),

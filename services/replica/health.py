@@ -39,9 +39,9 @@ class Replica:
         self.on_engine_reset: list[Callable[[], None]] = []  # e.g. the publisher's reset_blocks
 
     # -- the HTTP layer's engine client ------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        async for out in self.loop.generate(request_id, prompt_token_ids, params):
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in self.loop.generate(request_id, prompt_token_ids, params, lora_name):
             if out.error and out.error_kind == "engine":
                 self.mark_unhealthy(out.error)
             yield out

@@ -47,6 +47,12 @@ class _StatsCollector:
             (M.SAMPLED_ROWS, "rows sampled", s.guided.sampled_rows),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        if s.max_loras:
+            # vLLM's form: one series whose labels carry the state and whose value is when it was taken.
+            info = GaugeMetricFamily(M.LORA_REQUESTS_INFO, "LoRA adapters of running and waiting requests",
+                                     labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
+            info.add_metric((",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras)), time.time())
+            yield info
 
 
 class SchedulerMetrics:

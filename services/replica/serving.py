@@ -42,8 +42,8 @@ RETRY_AFTER_SECONDS = 1
 class ReplicaBackend(Protocol):
     healthy: bool
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_name: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -82,6 +82,7 @@ class OpenAIServing:
         self._responses = ResponsesEndpoint(self)
         # The scheduler core's own compiler: compiling here, before admission, fills the cache it reads.
         self.grammars = grammars
+        self.adapters: dict = {}  # LoRA adapter name -> LoraRef, as the core's registry holds them (read-only)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "cmpl-")
@@ -119,12 +120,20 @@ class OpenAIServing:
         self.check_caller(request)
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
-        check_model(req.model, self.config.model_name)
+        lora_name = self.resolve_model(req.model)
         prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
-        return await self.serve_prepared(request, prepared, id_prefix, ChatFormat)
+        return await self.serve_prepared(request, prepared, id_prefix, ChatFormat, lora_name)
+
+    def resolve_model(self, requested: str) -> str | None:
+        """None for the base model, the adapter's name for a loaded LoRA adapter; 404 otherwise."""
+        if requested != self.config.model_name and requested in self.adapters:
+            return requested
+        check_model(requested, self.config.model_name)
+        return None
 
     async def serve_prepared(self, request: Request, prepared: PreparedRequest, id_prefix: str,
-                             make_format: Callable[[ResponseAccumulator], ResponseFormat]) -> Response:
+                             make_format: Callable[[ResponseAccumulator], ResponseFormat],
+                             lora_name: str | None = None) -> Response:
         """Run a validated request and answer it in the format `make_format` builds over its accumulator."""
         if self.grammars is not None and prepared.params.structured_outputs is not None:
             await compile_constraint(self.grammars, prepared.params.structured_outputs, prepared.tools)
@@ -141,7 +150,7 @@ class OpenAIServing:
                                   prepared.params.logprobs is not None, prepared.include_usage, prepared.tools,
                                   prepared.echo)
         fmt = make_format(acc)
-        run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics), admission)
+        run = _Run(self.backend, prepared, request_id, RequestTimer(self.metrics), admission, lora_name)
         try:
             if prepared.stream:
                 return await self._stream(request, run, acc, fmt)  # the stream closes the run when it ends
@@ -250,8 +259,9 @@ class _Run:
     """The engine requests behind one HTTP request (one per prompt)."""
 
     def __init__(self, backend: ReplicaBackend, prepared: PreparedRequest, request_id: str, timer: RequestTimer,
-                 admission: Admission):
+                 admission: Admission, lora_name: str | None = None):
         self.backend = backend
+        self.lora_name = lora_name
         self.prepared = prepared
         self.timer = timer
         self.admission = admission
@@ -260,7 +270,8 @@ class _Run:
         self.done: set[str] = set()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = [self.backend.generate(rid, p, self.prepared.params)
+        extra = () if self.lora_name is None else (self.lora_name,)
+        streams = [self.backend.generate(rid, p, self.prepared.params, *extra)
                    for rid, p in zip(self.ids, self.prepared.prompts, strict=True)]
         async for idx, out in merge(streams):
             if out.finished:

@@ -77,8 +77,8 @@ class AsyncScheduler:
     def admitted(self) -> int:
         return self._admitted
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         self.core.validate(prompt_token_ids, params)  # fail fast, before anything is queued
@@ -90,7 +90,7 @@ class AsyncScheduler:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
-        self._ops.append(("add", request_id, list(prompt_token_ids), params, grammar))
+        self._ops.append(("add", request_id, list(prompt_token_ids), params, grammar, lora_name))
         self._wake.set()
         finished = False
         try:
@@ -158,11 +158,12 @@ class AsyncScheduler:
         while self._ops:
             op = self._ops.popleft()
             if op[0] == "add":
-                _, rid, prompt, params, grammar = op
+                _, rid, prompt, params, grammar, lora_name = op
                 if rid not in self._streams:
                     continue  # cancelled before it was queued in the core
                 try:
-                    core.add_request(rid, prompt, params, stream=True, validated=True, grammar=grammar)
+                    core.add_request(rid, prompt, params, stream=True, validated=True, grammar=grammar,
+                                     lora_name=lora_name)
                 except InvalidRequestError as e:
                     self._deliver([(rid, e)])
                 except Exception as e:  # never let one bad request stop the loop

@@ -13,13 +13,15 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
-from services.block_hash import model_hash_seed, salted_seed
+from services.block_hash import adapter_seed, model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler import beam_requests
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_pool import KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
+from services.scheduler.lora_registry import LoraRegistry
+from services.scheduler.lora_residency import LoraRef
 from services.scheduler.request_output import CompletionOutput, GuidedStats, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
@@ -51,6 +53,7 @@ class _Group:
     beam: BeamSearch | None = None  # beam search: `seqs` are its live beams, the list the beams share
     next_beam_index: int = 1
     num_cached_tokens: int = 0  # beam search: prompt tokens served from the prefix cache
+    lora: LoraRef | None = None  # the adapter it runs with
 
     @property
     def finished(self) -> bool:
@@ -58,6 +61,10 @@ class _Group:
         ended = [s for s in self.seqs if s is not None]
         return all(s.is_finished for s in ended) and (len(ended) == len(self.seqs) or ended[0].status in (
             SequenceStatus.FINISHED_ERROR, SequenceStatus.FINISHED_ABORTED))
+
+
+def _lora_names(seqs) -> tuple[str, ...]:
+    return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
 
 
 def best_of(outs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
@@ -88,7 +95,8 @@ class SchedulerCore:
             self.info.num_kv_blocks, self.info.block_size, self.hash_seed, self.max_model_len,
             enable_prefix_caching, self._record_event if self._events is not None else None)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                                   system.batching), self.kv)
+                                                   system.batching, self.info.max_loras), self.kv)
+        self.loras = LoraRegistry(executor, self.scheduler.loras)
         self.eos_ids = frozenset(self.info.eos_token_ids)
         self.groups: dict[str, _Group] = {}
         self._arrival = itertools.count()
@@ -136,9 +144,12 @@ class SchedulerCore:
                                          self.scheduler.config.max_num_seqs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool = False, validated: bool = False, grammar: CompiledGrammar | None = None) -> None:
+                    stream: bool = False, validated: bool = False, grammar: CompiledGrammar | None = None,
+                    lora_name: str | None = None) -> None:
         """Queue a request; `validated` when the caller already ran `validate` on it; `grammar`: its
-        structured_outputs compiled (else compiled here, blocking: callers with a step loop compile first)."""
+        structured_outputs compiled (else compiled here, blocking: callers with a step loop compile first);
+        `lora_name`: the loaded adapter it runs with (resolved here, on the loop thread, so a load or unload
+        racing the request either precedes it or follows it), whose digest roots its block-hash chain."""
         if request_id in self.groups:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not validated:
@@ -148,14 +159,21 @@ class SchedulerCore:
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
         if grammar is not None:
             req.guide = grammar.new_guide()
-        if params.cache_salt:
-            req.hash_root = salted_seed(self.hash_seed, params.cache_salt)
+        root, lora = self.hash_seed, None
+        if lora_name is not None:
+            lora = self.loras.get(lora_name)
+            if lora is None:
+                raise InvalidRequestError("model", f"the LoRA adapter {lora_name!r} is not loaded here")
+            req.lora = lora
+            root = adapter_seed(root, lora.digest)
+        if params.cache_salt or lora is not None:
+            req.hash_root = salted_seed(root, params.cache_salt)
         if params.min_tokens:
             # Masked out of sampling until min_tokens are out, so the request cannot end early at all.
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             req.min_tokens_banned = sorted(ends)
         group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.num_sequences - 1),
-                       stream)
+                       stream, lora=lora)
         if params.use_beam_search:
             group.beam = beam_requests.start(req, self.eos_ids, self.max_model_len)
             group.seqs = req.beam_group
@@ -164,6 +182,16 @@ class SchedulerCore:
         self.groups[request_id] = group
         self.prompt_tokens += len(prompt_token_ids)
         self.scheduler.add(req)
+
+    def load_lora(self, name: str, path: str) -> LoraRef:
+        """Load (or reload) adapter `name` from `path`; AdapterError when it is bad."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> LoraRef:
+        """Unload adapter `name`: new requests cannot name it; those in flight finish with it."""
+        ref = self.loras.unload(name)
+        self.loras.release_unused(g.lora.digest for g in self.groups.values() if g.lora is not None)
+        return ref
 
     def _attach_detokenizer(self, req: Sequence, replay: bool = True) -> None:
         req.detokenizer = IncrementalDetokenizer(
@@ -224,6 +252,7 @@ class SchedulerCore:
                 outputs.append(self._make_output(group))
             elif group.stream:
                 outputs.append(self._make_output(group))
+        self.loras.release_unused(g.lora.digest for g in self.groups.values() if g.lora is not None)
         return outputs
 
     def _constrain(self, out: SchedulerOutput, changed: dict[str, _Group]) -> None:
@@ -415,7 +444,9 @@ class SchedulerCore:
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             guided=GuidedStats(self.grammars.stats.compiles, self.grammars.stats.compile_seconds,
                                self.grammars.stats.cache_hits, self.grammars.stats.failures, self.mask_steps,
-                               self.mask_seconds, self.constrained_rows, self.sampled_rows))
+                               self.mask_seconds, self.constrained_rows, self.sampled_rows),
+            max_loras=self.info.max_loras, running_loras=_lora_names(sched.running),
+            waiting_loras=_lora_names(sched.waiting))
 
     def _record_event(self, event: KVEvent) -> None:
         self._events.append(event)

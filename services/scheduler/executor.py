@@ -25,6 +25,12 @@ class Executor(Protocol):
 
     def reset(self) -> None: ...
 
+    def load_lora(self, path: str) -> dict:
+        """Load the LoRA adapter in directory `path`: {"digest", "rank"}; AdapterError when it is bad."""
+        ...
+
+    def unload_lora(self, digest: str) -> None: ...
+
     def health(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -54,6 +60,12 @@ class InProcessExecutor:
 
     def reset(self) -> None:
         self.runner.reset()
+
+    def load_lora(self, path: str) -> dict:
+        return self.runner.load_lora(path)
+
+    def unload_lora(self, digest: str) -> None:
+        self.runner.unload_lora(digest)
 
     def health(self) -> bool:
         return True

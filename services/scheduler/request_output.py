@@ -57,3 +57,6 @@ class SchedulerStats:
     prompt_tokens: int
     generation_tokens: int
     guided: GuidedStats = field(default_factory=GuidedStats)
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()  # names of the LoRA adapters of running requests
+    waiting_loras: tuple[str, ...] = ()

@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 from services.scheduler.admission import Batching
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.lora_residency import LoraResidency
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.step_protocol import ScheduledSequence, SchedulerOutput
 
 # A request waits at most this many steps for blocks another request is computing (bounded, so FCFS
 # admission never turns into starvation).
 MAX_PREFIX_DEFERRALS = 8
+# Steps a request may wait at the head for a LoRA slot while requests of resident adapters pass it; then
+# nothing passes it, the running adapters drain, and it gets a slot.
+MAX_LORA_WAITS = 32
 
 
 @dataclass
@@ -29,6 +33,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     batching: Batching = Batching.ITERATION
+    max_loras: int = 0  # distinct LoRA adapters in one step (the engine's slots); 0: none
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +52,7 @@ class Scheduler:
         self._step = 0
         self._scheduled: list[tuple[Sequence, int]] = []
         self.rejected: list[Sequence] = []  # finished without running; the engine core reports them
+        self.loras = LoraResidency(config.max_loras) if config.max_loras else None
 
     # -- queue management -------------------------------------------------------------------
     def add(self, req: Sequence) -> None:
@@ -113,9 +119,21 @@ class Scheduler:
         #    its place at the head) and then reuses those blocks instead of computing them again.
         pending = self._blocks_in_flight() if self.waiting else set()
         deferred: list[Sequence] = []
+        loras = self.loras
+        active = loras.active(self.running) if loras is not None else set()
         while (admit and self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.lora is not None and (loras is None or not loras.admits(req.lora, active)):
+                # Its adapter has no slot this step: requests of resident adapters (and the base model) go
+                # past it, until it has waited long enough that nothing does.
+                if loras is None:
+                    raise AssertionError(f"{req.seq_id}: a LoRA request reached a scheduler without slots")
+                req.num_lora_waits += 1
+                if req.num_lora_waits > MAX_LORA_WAITS or deferred and deferred[0].num_lora_waits > MAX_LORA_WAITS:
+                    break
+                deferred.append(self.waiting.popleft())
+                continue
             cached = self.kv.find_cached_prefix(req)
             nxt = len(cached)
             if (nxt < len(req.block_hashes) and req.block_hashes[nxt] in pending
@@ -140,6 +158,8 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             pending.update(req.block_hashes[nxt:])
+            if req.lora is not None:
+                active.add(req.lora.digest)
         self.waiting.extendleft(reversed(deferred))
         if not scheduled and self.running:
             # Nothing can run: every running sequence is a beam waiting for siblings that cannot be admitted
@@ -148,13 +168,19 @@ class Scheduler:
 
         self._scheduled = scheduled
         self._step += 1
+        slots = self._lora_slots(scheduled) if loras is not None else {}
         return SchedulerOutput(
             step_id=self._step,
-            sequences=[self._describe(req, n) for req, n in scheduled],
+            sequences=[self._describe(req, n, slots) for req, n in scheduled],
             blocks_to_copy=self.kv.take_copies(),
+            lora_slots=sorted((slot, d) for d, slot in slots.items()),
         )
 
-    def _describe(self, req: Sequence, n: int) -> ScheduledSequence:
+    def _lora_slots(self, scheduled: list[tuple[Sequence, int]]) -> dict[str, int]:
+        used = self.loras.active(req for req, _ in scheduled)
+        return self.loras.assign(used, self.loras.active(self.running)) if used else {}
+
+    def _describe(self, req: Sequence, n: int, slots: dict[str, int]) -> ScheduledSequence:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         return ScheduledSequence(
@@ -169,6 +195,7 @@ class Scheduler:
             output_index=req.num_output_tokens,
             banned_token_ids=req.min_tokens_banned if sample and req.num_output_tokens < req.params.min_tokens else [],
             penalties=req.penalty_spec() if sample and req.penalties is not None else None,
+            lora_slot=-1 if req.lora is None else slots[req.lora.digest],
         )
 
     def _blocks_in_flight(self) -> set[int]:

@@ -43,7 +43,8 @@ class Sequence:
     __slots__ = ("request_id", "seq_id", "sample_index", "params", "spec", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
-                 "hash_root", "guide", "penalties", "cumulative_logprob", "beam_candidates", "beam_group")
+                 "hash_root", "guide", "penalties", "cumulative_logprob", "beam_candidates", "beam_group", "lora",
+                 "num_lora_waits")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -70,6 +71,8 @@ class Sequence:
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
         self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
         self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
+        self.lora = None  # the LoraRef it runs with (services.scheduler.lora_residency); None: the base model
+        self.num_lora_waits = 0  # steps it waited at the head of the queue for a LoRA slot
         # Beam search: the engine's top-K for its next token (until the search has used them), and the live
         # beams of its request (one list, shared by all of them); its score sums into cumulative_logprob.
         self.beam_candidates = None
@@ -121,6 +124,7 @@ class Sequence:
         child.forked = True
         child.min_tokens_banned = self.min_tokens_banned
         child.hash_root = self.hash_root
+        child.lora = self.lora
         # The parent's guide has not advanced past the prompt yet: the child starts from the same state.
         child.guide = self.guide.clone() if self.guide is not None else None
         child.penalties = self.penalties

@@ -15,6 +15,7 @@ from typing import Protocol
 import zmq
 
 from services.internal_auth import InternalToken
+from services.lora_files import AdapterError
 from services.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput
 from services.transport.wire import WireReply, decode_request, encode_reply
 
@@ -32,6 +33,10 @@ class StepRunner(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def reset(self) -> None: ...
+
+    def load_lora(self, path: str) -> dict: ...
+
+    def unload_lora(self, digest: str) -> None: ...
 
 
 class EngineServer:
@@ -78,7 +83,7 @@ class EngineServer:
             log.warning("refused %r from a caller without this engine's token", req.op)
             return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance,
                                           error="unauthorized: missing or wrong internal token"))
-        if req.op in ("step", "reset") and identity != self.owner:
+        if req.op in ("step", "reset", "load_lora", "unload_lora") and identity != self.owner:
             return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance, body={"not_owner": True},
                                           error=f"{req.op!r} refused: only the scheduler that handshook may send it"))
         if req.op == "handshake":
@@ -86,6 +91,9 @@ class EngineServer:
         try:
             body = self._dispatch(req.op, req.body)
             return encode_reply(WireReply(id=req.id, ok=True, instance=self.instance, body=body))
+        except AdapterError as exc:  # a bad adapter: the scheduler answers 400 naming the field
+            return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance, error=exc.message,
+                                          body={"adapter_field": exc.field}))
         except InvalidStepError as exc:  # the scheduler fails just these sequences' requests
             log.warning("refused step %d: %s", req.id, exc)
             return encode_reply(WireReply(id=req.id, ok=False, instance=self.instance, error=str(exc),
@@ -104,6 +112,11 @@ class EngineServer:
             return self.runner.info.to_wire()
         if op == "health":
             return {"healthy": True, "steps_served": self.steps_served}
+        if op == "load_lora":
+            return self.runner.load_lora(str(body["path"]))
+        if op == "unload_lora":
+            self.runner.unload_lora(str(body["digest"]))
+            return None
         if op == "reset":
             self.runner.reset()
             self.instance = uuid.uuid4().hex  # what the scheduler knew is cached is gone

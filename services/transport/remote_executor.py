@@ -18,6 +18,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from services.internal_auth import InternalToken
+from services.lora_files import AdapterError
 from services.step_protocol import (
     EngineInfo,
     EngineUnavailableError,
@@ -74,6 +75,12 @@ class RemoteExecutor:
 
     def reset(self) -> None:
         self._call("reset", None, self.timeout)
+
+    def load_lora(self, path: str) -> dict:
+        return self._call("load_lora", {"path": path}, self.timeout)
+
+    def unload_lora(self, digest: str) -> None:
+        self._call("unload_lora", {"digest": digest}, self.timeout)
 
     def health(self, timeout: float = 2.0) -> bool:
         try:
@@ -150,6 +157,8 @@ class RemoteExecutor:
                 # Another scheduler handshook since: this one's view of the engine is stale.
                 self._instance = None
                 raise EngineUnavailableError(f"engine at {self.url}: {reply.error}")
+            if isinstance(reply.body, dict) and reply.body.get("adapter_field"):
+                raise AdapterError(str(reply.body["adapter_field"]), str(reply.error))
             if isinstance(reply.body, dict) and reply.body.get("bad_seq_ids"):
                 raise InvalidStepError(f"engine refused the step: {reply.error}", reply.body["bad_seq_ids"])
             raise EngineOpError(f"engine {op!r} failed: {reply.error}")

@@ -1,0 +1,100 @@
+"""Fixed LoRA slot buffers on the device, and the host-memory LRU of loaded adapters behind them.
+
+`max_loras` slots, each holding one adapter's A and B matrices for every layer and projection, padded
+to `max_rank` with zeros (a zero row of A and a zero column of B add exactly nothing): the buffers are
+allocated once and never change shape, so a captured CUDA graph's pointers stay valid whichever
+adapters are resident. The scheduler decides which adapter sits in which slot (it sees residency as a
+constraint); a step names its slots' adapters and `activate` copies in the ones not already there.
+
+Loaded adapters live in host memory, least recently used first out beyond `max_cpu_loras`; one that
+was pushed out is read again from its files when a step needs it, and refused if they changed (its
+digest is its identity: new bytes are a new adapter, to be loaded as such)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from services.engine.lora.weights import GROUPS, LoraWeights, module_dims
+
+log = logging.getLogger(__name__)
+
+
+class LoraSlots:
+    def __init__(self, config, num_heads: int, num_kv_heads: int, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, max_cpu_loras: int,
+                 reload: Callable[[str, str], LoraWeights]):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        dims = module_dims(config, num_heads, num_kv_heads)
+        # Where each part of a fused projection sits in its output: (offset, size) per PEFT module.
+        self.parts: dict[str, list[tuple[int, int]]] = {}
+        for group, modules in GROUPS.items():
+            at, parts = 0, []
+            for m in modules:
+                parts.append((at, dims[m][1]))
+                at += dims[m][1]
+            self.parts[group] = parts
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.a = [{g: zeros(max_loras, len(mods) * max_rank, dims[mods[0]][0]) for g, mods in GROUPS.items()}
+                  for _ in range(config.num_layers)]
+        self.b = [{g: zeros(max_loras, sum(dims[m][1] for m in mods), max_rank) for g, mods in GROUPS.items()}
+                  for _ in range(config.num_layers)]
+        self.scales = [0.0] * max_loras
+        self.resident: list[str | None] = [None] * max_loras
+        self.host: OrderedDict[str, LoraWeights] = OrderedDict()
+        self.paths: dict[str, str] = {}  # digest -> directory, to read it again after the LRU dropped it
+        self._reload = reload
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
+
+    def add(self, weights: LoraWeights, path: str) -> None:
+        self.paths[weights.digest] = path
+        self._remember(weights)
+
+    def remove(self, digest: str) -> None:
+        """Forget an adapter (a slot holding it keeps it until the scheduler gives the slot to another)."""
+        self.host.pop(digest, None)
+        self.paths.pop(digest, None)
+
+    def knows(self, digest: str) -> bool:
+        return digest in self.paths
+
+    def _remember(self, weights: LoraWeights) -> None:
+        self.host[weights.digest] = weights
+        self.host.move_to_end(weights.digest)
+        while len(self.host) > self.max_cpu_loras:
+            dropped, _ = self.host.popitem(last=False)
+            log.info("LoRA adapter %s left host memory (LRU, --max-cpu-loras %d)", dropped[:12], self.max_cpu_loras)
+
+    def activate(self, slot: int, digest: str) -> None:
+        """Make `slot` hold adapter `digest` (a copy only when it holds another one)."""
+        if self.resident[slot] == digest:
+            return
+        weights = self.host.get(digest)
+        if weights is None:
+            weights = self._reload(digest, self.paths[digest])
+        self._remember(weights)
+        r, rmax = weights.rank, self.max_rank
+        for layer, mods in enumerate(weights.layers):
+            for group, modules in GROUPS.items():
+                a, b = self.a[layer][group][slot], self.b[layer][group][slot]
+                a.zero_()
+                b.zero_()
+                for j, (m, (off, size)) in enumerate(zip(modules, self.parts[group], strict=True)):
+                    if m in mods:
+                        wa, wb = mods[m]
+                        a[j * rmax:j * rmax + r].copy_(wa)
+                        b[off:off + size, :r].copy_(wb)
+        self.scales[slot] = weights.scale
+        self.resident[slot] = digest
