@@ -3,10 +3,12 @@ input, and a client that disconnects mid-stream leaving no KV blocks behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -45,12 +47,21 @@ def start_serve(model_dir, *extra: str, env: dict | None = None):
     return proc, url
 
 
+@contextlib.contextmanager
+def served(model_dir, *extra: str) -> Iterator[str]:
+    """`pagedserve serve` for a module's tests: its URL, then a clean exit (0) on terminate."""
+    proc, url = start_serve(model_dir, *extra)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
 @pytest.fixture(scope="module")
 def serve_url(tiny_llama_dir):
-    proc, url = start_serve(tiny_llama_dir)
-    yield url
-    proc.terminate()
-    assert proc.wait(30) == 0
+    with served(tiny_llama_dir) as url:
+        yield url
 
 
 def test_api_keys_isolate_their_prefix_caches(tiny_llama_dir):

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from services import metric_names as M
 from tests.e2e.openai_checks import client, model_id
-from tests.e2e.test_serve import start_serve
+from tests.e2e.test_serve import served
 
 pytest.importorskip("services.scheduler.async_scheduler")
 
@@ -44,10 +44,8 @@ MESSAGES = [{"role": "user", "content": "Give me a city as JSON."}]
 
 @pytest.fixture(scope="module")
 def serve_url(tiny_llama_dir):
-    proc, url = start_serve(tiny_llama_dir)
-    yield url
-    proc.terminate()
-    assert proc.wait(30) == 0
+    with served(tiny_llama_dir) as url:
+        yield url
 
 
 def test_json_schema_and_pydantic_parse(serve_url):

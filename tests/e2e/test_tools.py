@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.e2e.openai_checks import model_id
-from tests.e2e.test_serve import start_serve
+from tests.e2e.test_serve import served
 
 PROMPTS = int(os.environ.get("PAGEDSERVE_TOOL_PROMPTS", "2"))
 # Bounded strings and numbers: a random model's arguments must end well within max_tokens.
@@ -44,10 +44,8 @@ MAX_TOKENS = 600
 
 @pytest.fixture(scope="module")
 def serve_url(tiny_llama_dir):
-    proc, url = start_serve(os.environ.get("PAGEDSERVE_TOOL_MODEL", tiny_llama_dir), "--max-model-len", "1024")
-    yield url
-    proc.terminate()
-    assert proc.wait(30) == 0
+    with served(os.environ.get("PAGEDSERVE_TOOL_MODEL", tiny_llama_dir), "--max-model-len", "1024") as url:
+        yield url
 
 
 def client(base_url: str) -> openai.OpenAI:
