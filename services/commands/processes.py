@@ -79,6 +79,8 @@ def flags(args, names: list[str]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):  # nargs="+" options, e.g. --lora-modules A=/a B=/b
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out

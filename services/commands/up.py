@@ -21,6 +21,7 @@ import time
 
 import httpx
 
+from services import settings as S
 from services.commands.model_specs import parse_model_specs
 from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.redis_binary import find_redis_server, missing_message
@@ -78,11 +79,16 @@ class LocalCluster:
         secret_env = {**self.token.env(), "PAGEDSERVE_REDIS_URL": self.redis_url}
         if getattr(a, "api_keys", None):
             secret_env["PAGEDSERVE_API_KEYS"] = a.api_keys
+        if getattr(a, "lora_admin_key", None):  # every replica's run-time adapter endpoints take it
+            secret_env[S.LORA_ADMIN_KEY.env] = a.lora_admin_key
         threads = str(max(1, (os.cpu_count() or 1) // self.num_replicas))
         engine_flags = flags(a, [n for n in ENGINE_FLAGS if n != "model"])
         sched_flags = flags(a, ["max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
-                                "max_waiting", "max_body_bytes", "log_level"])
+                                "max_waiting", "max_body_bytes", "lora_modules", "lora_dir", "log_level"])
         several = len(self.models) > 1
+        if several and getattr(a, "lora_modules", None):
+            # Adapters fit one base model's shapes; every replica of every model would try to load them.
+            raise SystemExit("pagedserve up: --lora-modules serves adapters of one model; give a single --model")
         for spec in self.models:
             model = ["--model", spec.path] if spec.path else []
             named = ["--served-model-name", spec.name] if spec.name else []

@@ -3,6 +3,7 @@ processes, serves, and Ctrl-C stops every one of them."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -120,6 +121,36 @@ def test_up_serves_two_models_with_two_replicas_each_by_name(tiny_llama_dir):
             assert seen <= {f"{model}-0", f"{model}-1"} and seen
         missing = httpx.post(url + "/v1/completions", timeout=10, json={"model": "gamma", "prompt": "x"})
         assert missing.status_code == 404 and "alpha, beta" in missing.json()["error"]["message"]
+        _interrupt_and_expect_no_orphans(proc, children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_up_serves_a_lora_adapter_on_every_replica_with_its_key_off_the_command_line(tiny_llama_dir, tmp_path):
+    from tests.engine.lora_adapters import save_random_adapter
+
+    adapter = save_random_adapter(tiny_llama_dir, tmp_path / "sql", seed=1)
+    port, key = free_port(), "admin-key-not-on-argv"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "2", "--port", str(port),
+                             "--host", "127.0.0.1", "--model", str(tiny_llama_dir), "--dtype", "float32",
+                             "--device", "cpu", "--num-kv-blocks", "64", "--max-loras", "1", "--lora-modules",
+                             f"sql={adapter}", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PAGEDSERVE_LORA_ADMIN_KEY": key})
+    try:
+        assert "pagedserve up: 2 replicas" in proc.stdout.readline()
+        children = descendant_pids(proc.pid)
+        url = f"http://127.0.0.1:{port}"
+        listed = {m["id"]: m.get("parent") for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]}
+        assert listed[Path(tiny_llama_dir).name] is None and listed["sql"] == Path(tiny_llama_dir).name
+        body = {"model": "sql", "prompt": "select the rows " * 8, "max_tokens": 3}
+        first = httpx.post(url + "/v1/completions", timeout=60, json=body)
+        again = httpx.post(url + "/v1/completions", timeout=60, json=body)
+        assert first.status_code == again.status_code == 200, first.text
+        # The router hashes the prompt under the adapter's root, so the second finds the first's blocks.
+        assert again.headers["x-pagedserve-replica"] == first.headers["x-pagedserve-replica"]
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert not any(key.encode() in b"\0".join(cmdline(pid) or []) for pid in children)
         _interrupt_and_expect_no_orphans(proc, children)
     finally:
         if proc.poll() is None:
