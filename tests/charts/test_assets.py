@@ -179,7 +179,10 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
     from services.scheduler.request_output import SchedulerStats
 
     # Every plain counter 1; nested stats (the structured-output counters) keep their own type, all ones too.
-    stats = SchedulerStats(**{f.name: 1 for f in dataclasses.fields(SchedulerStats) if f.init and f.name != "guided"})
+    # The adapter-name fields hold names, so vLLM's lora_requests_info series is exported too.
+    names = {"running_loras": ("sql",), "waiting_loras": ("chat",)}
+    stats = SchedulerStats(**{f.name: names.get(f.name, 1) for f in dataclasses.fields(SchedulerStats)
+                              if f.init and f.name != "guided"})
     stats.guided = type(stats.guided)(**{f.name: 1 for f in dataclasses.fields(stats.guided) if f.init})
     scheduler = SchedulerMetrics(lambda: stats)
     timer = scheduler.timer()
