@@ -10,19 +10,18 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 
 from services.block_hash import adapter_seed, model_hash_seed, salted_seed
 from services.sampling_params import InvalidRequestError, SamplingParams
 from services.scheduler import beam_requests
-from services.scheduler.beam_search import BeamSearch
 from services.scheduler.block_pool import KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.executor import Executor
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.lora_residency import LoraRef
-from services.scheduler.request_output import CompletionOutput, GuidedStats, RequestOutput, SchedulerStats
+from services.scheduler.request_group import RequestGroup, request_output
+from services.scheduler.request_output import GuidedStats, RequestOutput, SchedulerStats
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.serving_system import serving_system as get_serving_system
@@ -40,40 +39,8 @@ from services.structured_output.guide import bitmask_bytes, compute_bitmasks
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Group:
-    """The n samples of one request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence | None]
-    stream: bool
-    error: str | None = None  # why it failed, when the engine failed under this request alone
-    beam: BeamSearch | None = None  # beam search: `seqs` are its live beams, the list the beams share
-    next_beam_index: int = 1
-    num_cached_tokens: int = 0  # beam search: prompt tokens served from the prefix cache
-    lora: LoraRef | None = None  # the adapter it runs with
-
-    @property
-    def finished(self) -> bool:
-        # A request that ended early (failed, aborted) before its n samples forked has no more to come.
-        ended = [s for s in self.seqs if s is not None]
-        return all(s.is_finished for s in ended) and (len(ended) == len(self.seqs) or ended[0].status in (
-            SequenceStatus.FINISHED_ERROR, SequenceStatus.FINISHED_ABORTED))
-
-
 def _lora_names(seqs) -> tuple[str, ...]:
     return tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
-
-
-def best_of(outs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
-    """The n samples of highest cumulative logprob (OpenAI's and vLLM v0's best_of), renumbered 0..n-1.
-    Ties keep sample order, so the choice is deterministic."""
-    ranked = sorted(outs, key=lambda o: -o.cumulative_logprob)[:n]
-    for i, o in enumerate(ranked):
-        o.index = i
-    return ranked
 
 
 class SchedulerCore:
@@ -98,7 +65,7 @@ class SchedulerCore:
                                                    system.batching, self.info.max_loras), self.kv)
         self.loras = LoraRegistry(executor, self.scheduler.loras)
         self.eos_ids = frozenset(self.info.eos_token_ids)
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, RequestGroup] = {}
         self._arrival = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -172,8 +139,8 @@ class SchedulerCore:
             # Masked out of sampling until min_tokens are out, so the request cannot end early at all.
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             req.min_tokens_banned = sorted(ends)
-        group = _Group(request_id, list(prompt_token_ids), params, [req] + [None] * (params.num_sequences - 1),
-                       stream, lora=lora)
+        samples = [req] + [None] * (params.num_sequences - 1)
+        group = RequestGroup(request_id, list(prompt_token_ids), params, samples, stream, lora=lora)
         if params.use_beam_search:
             group.beam = beam_requests.start(req, self.eos_ids, self.max_model_len)
             group.seqs = req.beam_group
@@ -208,7 +175,7 @@ class SchedulerCore:
         for seq in group.seqs:
             if seq is not None:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        return self._make_output(group)
+        return request_output(group, self._decode)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """The engine broke: end every request with an error and return all blocks to the pool."""
@@ -217,7 +184,7 @@ class SchedulerCore:
             for seq in group.seqs:
                 if seq is not None:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-            out = self._make_output(group)
+            out = request_output(group, self._decode)
             out.error, out.error_kind = message, "engine"
             outs.append(out)
         self.groups.clear()
@@ -232,7 +199,7 @@ class SchedulerCore:
         sched = self.scheduler
         out = sched.schedule()
         self.last_output = out
-        changed: dict[str, _Group] = {}
+        changed: dict[str, RequestGroup] = {}
         for req in sched.rejected:
             changed[req.request_id] = self.groups[req.request_id]
         sched.rejected.clear()
@@ -249,13 +216,13 @@ class SchedulerCore:
         for rid, group in changed.items():
             if group.finished:
                 del self.groups[rid]
-                outputs.append(self._make_output(group))
+                outputs.append(request_output(group, self._decode))
             elif group.stream:
-                outputs.append(self._make_output(group))
+                outputs.append(request_output(group, self._decode))
         self.loras.release_unused(g.lora.digest for g in self.groups.values() if g.lora is not None)
         return outputs
 
-    def _constrain(self, out: SchedulerOutput, changed: dict[str, _Group]) -> None:
+    def _constrain(self, out: SchedulerOutput, changed: dict[str, RequestGroup]) -> None:
         """Attach each constrained row's token mask. A guide that fails here (past its fuel limit) fails its
         request, and its sequence leaves the step before the engine sees it."""
         sched = self.scheduler
@@ -304,11 +271,11 @@ class SchedulerCore:
         finally:
             self.pool.free(block)  # never hashed: back to the free end of the queue
 
-    def _fail_request_of(self, seq_id: str, why: str, changed: dict[str, _Group]) -> None:
+    def _fail_request_of(self, seq_id: str, why: str, changed: dict[str, RequestGroup]) -> None:
         seq = next(s for s, _ in self.scheduler.last_scheduled if s.seq_id == seq_id)
         self._fail_group(self.groups[seq.request_id], f"the engine failed on this request: {why}", changed)
 
-    def _fail_group(self, group: _Group, why: str, changed: dict[str, _Group]) -> None:
+    def _fail_group(self, group: RequestGroup, why: str, changed: dict[str, RequestGroup]) -> None:
         """End every sample of a request with an error of its own (the rest of the batch carries on)."""
         for s in group.seqs:
             if s is not None:
@@ -316,11 +283,11 @@ class SchedulerCore:
         group.error = why
         changed[group.request_id] = group
 
-    def _apply(self, result: ModelRunnerOutput, changed: dict[str, _Group]) -> None:
+    def _apply(self, result: ModelRunnerOutput, changed: dict[str, RequestGroup]) -> None:
         sched = self.scheduler
         sampled = result.sampled
         logprobs = result.logprobs
-        beams: dict[str, _Group] = {}
+        beams: dict[str, RequestGroup] = {}
         for req, n in sched.last_scheduled:
             if req.is_finished:
                 continue  # its request failed in this step; its blocks are already back in the pool
@@ -355,7 +322,7 @@ class SchedulerCore:
                                                                 partial(self._branch, group))
                 changed[group.request_id] = group
 
-    def _branch(self, group: _Group, parent: Sequence) -> Sequence:
+    def _branch(self, group: RequestGroup, parent: Sequence) -> Sequence:
         group.next_beam_index += 1
         return parent.branch(group.next_beam_index - 1, next(self._arrival))
 
@@ -397,43 +364,8 @@ class SchedulerCore:
             self.scheduler.finish(req, status)
 
     # -- reporting --------------------------------------------------------------------------
-    def _make_output(self, group: _Group) -> RequestOutput:
-        if group.beam is not None:
-            return self._beam_output(group)
-        outs = []
-        cached = 0
-        for i, seq in enumerate(group.seqs):
-            if seq is None:  # a sample that never forked: it ends with its request
-                outs.append(CompletionOutput(i, "", [], group.seqs[0].status.value if group.finished else None,
-                                             cumulative_logprob=float("-inf")))
-                continue
-            if seq.detokenizer is not None:
-                # Unfinished: only what can no longer turn into a stop string, so streams stay exact.
-                text = seq.detokenizer.text if seq.is_finished else seq.detokenizer.visible
-            elif seq.is_finished:
-                text = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
-            else:
-                text = ""
-            reason = seq.status.value if seq.is_finished else None
-            outs.append(CompletionOutput(i, text, seq.output_token_ids, reason, seq.stop_reason, seq.logprobs,
-                                         seq.cumulative_logprob))
-            cached = max(cached, seq.num_cached_tokens)
-        if len(outs) > group.params.n:
-            outs = best_of(outs, group.params.n)
-        out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, max(cached, 0))
-        if group.error is not None:
-            out.error, out.error_kind = group.error, "request"
-        return out
-
-    def _beam_output(self, group: _Group) -> RequestOutput:
-        params = group.params
-        outs = beam_requests.completions(group.beam, group.seqs, params,
-                                         lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens),
-                                         group.finished)
-        out = RequestOutput(group.request_id, group.prompt_token_ids, outs, group.finished, group.num_cached_tokens)
-        if group.error is not None:
-            out.error, out.error_kind = group.error, "request"
-        return out
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens)
 
     def stats(self) -> SchedulerStats:
         sched = self.scheduler
