@@ -19,7 +19,8 @@ import pytest
 from services.ports import free_port
 from services.transport.remote_executor import RemoteExecutor
 from tests.e2e.test_serve import start_serve
-from tests.e2e.test_up import _alive, _descendants
+from tests.e2e.test_up import _alive
+from tests.proc_children import descendant_pids
 
 pytest.importorskip("services.scheduler.async_scheduler")
 
@@ -33,7 +34,7 @@ def _argv(pid: int) -> list[str]:
 
 def _ranks(root: int) -> tuple[list[int], list[int]]:
     """(rank-0 engine pids, engine-worker pids) under process `root`."""
-    procs = {pid: _argv(pid) for pid in _descendants(root)}
+    procs = {pid: _argv(pid) for pid in descendant_pids(root)}
     engines = [pid for pid, argv in procs.items() if "engine" in argv and "--tensor-parallel-size" in argv]
     workers = [pid for pid, argv in procs.items() if "engine-worker" in argv]
     return engines, workers
@@ -99,7 +100,7 @@ def test_up_runs_two_ranks_per_replica_and_ctrl_c_stops_them(tiny_llama_dir):
         assert len(engines) == 1 and len(workers) == 1
         r = _complete(f"http://127.0.0.1:{port}", Path(tiny_llama_dir).name)
         assert r.status_code == 200, r.text
-        children = _descendants(proc.pid)
+        children = descendant_pids(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         _wait(lambda: not any(_alive(pid) for pid in children), 15, "a rank outlived pagedserve up")
