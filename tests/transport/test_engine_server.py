@@ -25,9 +25,10 @@ def start_engine(model_dir, port: int) -> subprocess.Popen:
                              "--num-kv-blocks", "64", "--log-level", "warning"])
 
 
-def run_to_end(core: SchedulerCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+def run_to_end(core: SchedulerCore, prompts: list[list[int]], params: SamplingParams,
+               lora_names: list[str | None] | None = None) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", p, params)
+        core.add_request(f"r{i}", p, params, lora_name=lora_names[i] if lora_names else None)
     done = {}
     while core.has_unfinished():
         for out in core.step():

@@ -16,17 +16,11 @@ from services.scheduler.executor import InProcessExecutor
 from services.tokenizer import ModelTokenizer
 from services.transport import RemoteExecutor
 from tests.engine.lora_adapters import save_random_adapter
+from tests.transport.test_engine_server import run_to_end
 
 
 def _run(core, prompts, names):
-    for i, (p, name) in enumerate(zip(prompts, names, strict=True)):
-        core.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), lora_name=name)
-    done = {}
-    while core.has_unfinished():
-        for out in core.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    return run_to_end(core, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), names)
 
 
 def test_remote_engine_loads_and_serves_adapters(tiny_llama_dir, tmp_path):
