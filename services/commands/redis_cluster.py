@@ -19,7 +19,7 @@ import redis
 
 from services.commands.processes import Child
 from services.commands.redis_binary import find_redis_server, missing_message
-from services.ports import free_port
+from services.ports import free_port, reserve
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 1000
@@ -146,16 +146,12 @@ class LocalRedisCluster:
 
 
 def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too, so at most 55535."""
+    """A free port whose cluster bus port (port + 10000) is free too, so at most 55535. Both are reserved,
+    so nothing else this process starts is given the bus port before the node binds it."""
     for _ in range(1000):
         port = free_port()
-        if port <= 55535:
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                pass
+        if port <= 55535 and reserve(port + 10000):
+            return port
     raise RuntimeError("no free port pair for a cluster node")
 
 
