@@ -106,6 +106,13 @@ def _add_bench(sub) -> None:
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: throughput of each "
                         "and its ratio to the base model (0) in the same run, instead of the baselines")
     t.set_defaults(handler="services.bench.throughput:run")
+    ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
+                         "alternating runs in one command, ratio of medians")
+    ba.add_argument("--before", required=True, help="the earlier git revision (checked out in a temporary worktree)")
+    ba.add_argument("--runs", type=int, default=3, help="alternating runs of each")
+    ba.add_argument("--json", dest="json_path", default=None)
+    ba.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `bench throughput` arguments")
+    ba.set_defaults(handler="services.bench.before_after:run")
     r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
     r.add_argument("--replicas", type=int, default=3)
     r.add_argument("--groups", type=int, default=8, help="distinct system prompts")
@@ -205,8 +212,9 @@ def _add_bench_paper(bsub) -> None:
     q.add_argument("--scale-sharegpt", type=float, default=0.125,
                    help="ShareGPT lengths, maximum sequence length and pool times this")
     q.add_argument("--scale-alpaca", type=float, default=0.5, help="the same for Alpaca")
-    q.add_argument("--num-requests", type=int, default=32, help="requests per rate")
-    q.add_argument("--fractions", default="0.5,1,2,4",
+    q.add_argument("--num-requests", type=int, default=200,
+                   help="requests per rate: enough that the queue, not the trace, decides how full the pool gets")
+    q.add_argument("--fractions", default="0.125,0.25,0.5,1,2,4",
                    help="swept rates, as fractions of pagedserve's measured capacity (all requests at once)")
     q.add_argument("--bound-factor", type=float, default=2.0,
                    help="latency bound: this times pagedserve's normalized latency at the lowest rate")
