@@ -224,8 +224,9 @@ def _add_bench_paper(bsub) -> None:
     q.add_argument("--max-num-seqs", type=int, default=256)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=int, default=None,
-                   help="torch threads (1 keeps timings steadier on a machine others load too)")
+    q.add_argument("--threads", type=int, default=1,
+                   help="torch threads; at 1 each step is timed on CPU time, which other processes' load does not "
+                        "inflate (0: torch's default, timed on wall time)")
     q.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
     q.add_argument("--plot", default=None, help="write the figures to this PNG (matplotlib)")
     q.set_defaults(handler="services.bench.paper:run")

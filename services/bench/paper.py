@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from services.bench.kv_breakdown import BusiestMoment
-from services.bench.paper_serve import PoolView, serve_trace, sustained_rate
+from services.bench.paper_serve import PoolView, serve_trace, step_clock, sustained_rate
 from services.bench.paper_workloads import DISTRIBUTIONS, WorkloadScale, poisson_trace
 from services.bench.sharing_savings import beam_search_saving, parallel_sampling_saving
 
@@ -30,8 +30,16 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def requests_at(num_requests: int, fraction: float) -> int:
+    """Requests served at a rate `fraction` of capacity: all of them from capacity up, where the queue and
+    the pool fill; fewer below, where nothing queues and a run costs about requests / rate seconds."""
+    return max(min(num_requests, 50), round(num_requests * min(1.0, fraction)))
+
+
 def run_workload(llm, w: WorkloadScale, args, block_size: int) -> dict:
     """Every system over the rate sweep of one workload; rates are fractions of pagedserve's capacity."""
+    import torch
+
     from services.scheduler.core import SchedulerCore
 
     vocab = llm.core.info.vocab_size
@@ -41,22 +49,25 @@ def run_workload(llm, w: WorkloadScale, args, block_size: int) -> dict:
         return SchedulerCore(view, llm.tokenizer, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, serving_system=system)
 
+    clock_fn, _ = step_clock(torch.get_num_threads())
     all_at_once = poisson_trace(w, args.num_requests, math.inf, vocab, args.seed)
-    capacity = serve_trace(core_for("pagedserve"), all_at_once, math.inf).throughput
-    rates = [round(f * capacity, 3) for f in _floats(args.fractions)]
+    capacity = serve_trace(core_for("pagedserve"), all_at_once, math.inf, clock_fn=clock_fn).throughput
+    fractions = _floats(args.fractions)
+    rates = [round(f * capacity, 3) for f in fractions]
     print(f"\n{w.dist.name}: scale {w.scale}, max sequence {w.max_seq_len} tokens, pool {w.pool_blocks(block_size)} "
           f"blocks of {block_size}; pagedserve capacity {capacity:.2f} req/s; rates {rates}", flush=True)
     names = args.systems.split(",")
     busiest = {s: BusiestMoment() for s in names}
     sweeps: dict[str, list[dict]] = {s: [] for s in names}
     # Systems take turns at each rate, so a change in the machine's load lands on all of them alike.
-    for rate in rates:
+    for f, rate in zip(fractions, rates, strict=True):
+        count = requests_at(args.num_requests, f)
         for system in names:
-            trace = poisson_trace(w, args.num_requests, rate, vocab, args.seed, tag=f"{system}-{rate}-")
-            res = serve_trace(core_for(system), trace, rate, on_step=busiest[system].observe)
-            sweeps[system].append(res.as_dict())
+            trace = poisson_trace(w, count, rate, vocab, args.seed, tag=f"{system}-{rate}-")
+            res = serve_trace(core_for(system), trace, rate, on_step=busiest[system].observe, clock_fn=clock_fn)
+            sweeps[system].append({**res.as_dict(), "requests": count})
             print(f"  {system:<14} rate {rate:>7.3f}: normalized latency {res.normalized_latency:.4f} s/token, "
-                  f"{res.throughput:.2f} req/s served, max {res.max_running} running "
+                  f"{res.throughput:.2f} req/s served, max {res.max_running} running, {count} requests "
                   f"({res.busy_seconds:.1f} s)", flush=True)
     systems = {s: {**busiest[s].result().as_dict(), "sweep": sweeps[s]} for s in names}
     lowest = systems.get("pagedserve", next(iter(systems.values())))["sweep"][0]["normalized_latency"]
@@ -124,6 +135,8 @@ def run(args) -> int:
 
 
 def _run(args, started: float) -> int:
+    import torch
+
     from services import LLM
     from services.bench.paper_comparison import comparison_rows, print_report
 
@@ -143,6 +156,7 @@ def _run(args, started: float) -> int:
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                          f"{args.threads or 'default'} torch threads",
               "bound": f"{args.bound_factor} x pagedserve's normalized latency at the lowest swept rate",
+              "step_clock": step_clock(torch.get_num_threads())[1],
               "workloads": {w.dist.name: run_workload(llm, w, args, args.block_size) for w in workloads}}
     if args.sharing_requests > 0:
         report["sharing"] = sharing(llm, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from services.bench.paper import requests_at
 from services.cli import main
 
 SYSTEMS = ("request-level", "orca-max", "orca-pow2", "orca-oracle", "pagedserve")
@@ -34,6 +35,14 @@ def test_bench_paper_reports_every_system_on_both_workloads(tiny_llama_dir, tmp_
         assert [p["rate"] for p in sweep] == report["workloads"][workload]["rates"]
     par = report["sharing"]["parallel_sampling"]
     assert set(par) == {"2", "4", "6"} and all(0 <= v < 100 for v in par.values())
+    assert report["step_clock"] == "CPU time (1 torch thread)"  # others' load does not inflate a step
+    assert all(p["requests"] == 6 for p in sweep)
     assert png.stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "| figure | paper | measured here | what differs |" in printed
+
+
+def test_low_rates_serve_fewer_requests_and_never_fewer_than_fifty():
+    # Below capacity nothing queues: 50 requests show the latency; at capacity and above all of them run.
+    assert [requests_at(200, f) for f in (0.125, 0.25, 0.5, 1, 4)] == [50, 50, 100, 200, 200]
+    assert requests_at(6, 0.125) == 6
