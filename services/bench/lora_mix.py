@@ -4,7 +4,8 @@ model in the same run.
 One engine with as many slots as the largest count; seeded random rank-8 adapters on every projection,
 written in PEFT's format (adapter_config.json + safetensors) and loaded as any adapter is. For each
 count the same workload runs with its requests spread round-robin over that many adapters (0: the base
-model alone), and the table gives output tokens/s and the ratio to the base run."""
+model alone), and the table gives output tokens/s and the ratio to the base run. Counts run in order and
+then in reverse, and each figure is the mean of its two runs."""
 
 from __future__ import annotations
 
@@ -67,20 +68,27 @@ def run(args, counts: list[int]) -> dict:
         warm = [(7919 * i) % 4000 + 100 for i in range(32)]
         llm.generate([warm] * (max(counts) + 1), SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
                      lora_request=[None] + [f"lora{i}" for i in range(max(counts))])
-        results = []
-        for k in counts:
+        # Counts in order, then in reverse: a drift in the machine's load lands on every count alike, and
+        # each count's figure is the mean of its two runs.
+        runs: dict[int, list[dict]] = {k: [] for k in counts}
+        for k in [*counts, *reversed(counts)]:
             llm.core.pool.reset_cache()  # no run reuses another's prefixes
             names = [None if k == 0 else f"lora{i % k}" for i in range(len(requests))]
-            results.append({"adapters": k, **_timed(llm, requests, names)})
+            runs[k].append(_timed(llm, requests, names))
+        results = [{"adapters": k, "output_tokens": rs[0]["output_tokens"],
+                    "seconds": sum(r["seconds"] for r in rs) / len(rs),
+                    "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),
+                    "runs_tokens_per_s": [round(r["tokens_per_s"], 2) for r in rs]} for k, rs in runs.items()]
     base = next((r for r in results if r["adapters"] == 0), None)
     for r in results:
         if base is not None:
             r["ratio_to_base"] = r["tokens_per_s"] / base["tokens_per_s"]
     print(f"\nLoRA cost, rank {RANK} on every projection, workload {args.workload} ({len(requests)} requests, "
           f"{args.dtype}, {llm.runner.device}):")
-    print(f"{'adapters in the mix':<22} {'tok/s':>9} {'ratio to base':>14}")
+    print(f"{'adapters in the mix':<22} {'tok/s':>9} {'ratio to base':>14}  runs (tok/s)")
     for r in results:
         ratio = r.get("ratio_to_base")
-        print(f"{r['adapters']:<22} {r['tokens_per_s']:>9.1f} {(f'{ratio:.3f}' if ratio else '-'):>14}")
+        print(f"{r['adapters']:<22} {r['tokens_per_s']:>9.1f} {(f'{ratio:.3f}' if ratio else '-'):>14}  "
+              f"{' / '.join(f'{x:.1f}' for x in r['runs_tokens_per_s'])}")
     llm.close()
     return {"workload": args.workload, "dtype": args.dtype, "rank": RANK, "lora_results": results}
