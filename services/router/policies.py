@@ -1,4 +1,5 @@
-"""Routing policies: rank the live replicas for one request, best first (the rest are retry order).
+"""Routing policies: rank the live replicas for one request, best first, then the runners-up in retry order
+(the few the proxy may try, not the whole fleet: see RANKED).
 
 A request for a LoRA adapter weighs, besides prefix hit and load, what loading the adapter costs where it
 is not resident: the replica's own measured load time (ReplicaInfo.adapter_load_seconds), in units of
@@ -12,6 +13,7 @@ round-robin keeps a counter, which is its definition.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -27,6 +29,11 @@ MIN_MATCH_TOKENS = 256
 # max(GUARD_ABS, GUARD_REL * least) loses its affinity; load wins.
 GUARD_ABS = 4
 GUARD_REL = 0.5
+# Replicas ranked per request: the chosen one and its runners-up for retries (the proxy tries at most 3).
+# Ordering the whole fleet would cost O(replicas log replicas) per request, and hashing every replica
+# for ties O(replicas) hashes; instead one pass of plain tuples picks the few, and only ties among
+# those few are hashed.
+RANKED = 4
 
 
 @dataclass(slots=True)
@@ -73,14 +80,25 @@ def effective_loads(replicas: list[ReplicaState], req: RouteRequest) -> dict[str
     return {r.info.replica_id: r.load.requests + adapter_cost(r, req, fleet) for r in replicas}
 
 
-def _load_key(r: ReplicaState, req: RouteRequest, loads: dict[str, float]):
-    return (loads[r.info.replica_id], not resident(r, req), r.load.kv_usage, r.load.cached_blocks,
-            -rendezvous(req.key, r.info.replica_id))
+def _top(replicas: list[ReplicaState], req: RouteRequest, keys: list[tuple], k: int) -> list[ReplicaState]:
+    """The k replicas of smallest key (keys[i] is replicas[i]'s), ties broken by rendezvous hashing: only
+    the replicas tied with the k-th are hashed."""
+    if len(replicas) > k:
+        cut = heapq.nsmallest(k, keys)[-1]
+        picked = [i for i, key in enumerate(keys) if key <= cut]
+    else:
+        picked = range(len(replicas))
+    picked = sorted(picked, key=lambda i: (keys[i], -rendezvous(req.key, replicas[i].info.replica_id)))
+    return [replicas[i] for i in picked[:k]]
 
 
-def least_loaded(replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
+def least_loaded(replicas: list[ReplicaState], req: RouteRequest, k: int = RANKED) -> list[ReplicaState]:
+    """The k least loaded (the adapter's load cost counted); among equals, where the adapter is resident,
+    then the least KV in use, then the least cached."""
     loads = effective_loads(replicas, req)
-    return sorted(replicas, key=lambda r: _load_key(r, req, loads))
+    keys = [(loads[r.info.replica_id], not resident(r, req), r.load.kv_usage, r.load.cached_blocks)
+            for r in replicas]
+    return _top(replicas, req, keys, k)
 
 
 def match_ratio(r: ReplicaState, req: RouteRequest) -> float:
@@ -96,18 +114,22 @@ class PrefixPolicy:
         loads = effective_loads(replicas, req)
         min_load = min(loads.values())
         slack = max(GUARD_ABS, GUARD_REL * min_load)
-        eligible = [r for r in replicas if loads[r.info.replica_id] <= min_load + slack]
-        best = max(eligible, key=lambda r: (r.matched_blocks, -loads[r.info.replica_id], resident(r, req),
-                                            rendezvous(req.key, r.info.replica_id)))
-        worth_it = best.matched_blocks > 0 and (
+        # Affinity: the deepest match within the guard, then the lighter load, where the adapter is resident.
+        eligible = [r for r in replicas if r.matched_blocks and loads[r.info.replica_id] <= min_load + slack]
+        best = None
+        if eligible:
+            keys = [(-r.matched_blocks, loads[r.info.replica_id], not resident(r, req)) for r in eligible]
+            best = _top(eligible, req, keys, 1)[0]
+        worth_it = best is not None and (
             match_ratio(best, req) >= MIN_MATCH_RATIO or best.matched_blocks * req.block_size >= MIN_MATCH_TOKENS)
         if worth_it:
-            rest = least_loaded([r for r in replicas if r is not best], req)
+            rest = least_loaded([r for r in replicas if r is not best], req, RANKED - 1)
             return [best, *rest]
         # No useful affinity: least loaded (the adapter's load cost counted); among equals, where the adapter
         # is resident, then the one caching least, where a new prefix fits.
-        return sorted(replicas, key=lambda r: (loads[r.info.replica_id], not resident(r, req), r.load.cached_blocks,
-                                               r.load.kv_usage, -rendezvous(req.key, r.info.replica_id)))
+        keys = [(loads[r.info.replica_id], not resident(r, req), r.load.cached_blocks, r.load.kv_usage)
+                for r in replicas]
+        return _top(replicas, req, keys, RANKED)
 
 
 class LeastLoadedPolicy:
@@ -128,7 +150,7 @@ class RoundRobinPolicy:
             return []
         ordered = sorted(replicas, key=lambda r: r.info.replica_id)
         start = next(self._next) % len(ordered)
-        return ordered[start:] + ordered[:start]
+        return (ordered[start:] + ordered[:start])[:RANKED]
 
 
 class SessionPolicy:
@@ -143,7 +165,8 @@ class SessionPolicy:
     def rank(self, replicas: list[ReplicaState], req: RouteRequest) -> list[ReplicaState]:
         if not req.session_id:
             return self._fallback.rank(replicas, req)
-        return sorted(replicas, key=lambda r: -rendezvous("session:" + req.session_id, r.info.replica_id))
+        return heapq.nsmallest(RANKED, replicas, key=lambda r: -rendezvous("session:" + req.session_id,
+                                                                        r.info.replica_id))
 
 
 def make_policy(name: str):

@@ -18,6 +18,8 @@ from services.registry.model import ReplicaState, Signer, UntrustedRecord
 
 log = logging.getLogger(__name__)
 
+CHUNK = 200  # records read per command
+
 
 class ReplicaRecords:
     def __init__(self, client: Redis, namespace: str, signer: Signer | None, refresh: float):
@@ -45,18 +47,19 @@ class ReplicaRecords:
     async def read(self) -> None:
         ids = sorted(m.decode() if isinstance(m, bytes) else m
                      for m in await self.client.smembers(keys.replicas_key(self.ns)))
-        pipe = self.client.pipeline(transaction=False)
-        for rid in ids:
-            pipe.get(keys.replica_key(self.ns, rid))
-        raws = await pipe.execute() if ids else []
         states, gone = [], []
-        for rid, raw in zip(ids, raws, strict=True):
-            if raw is None:
-                gone.append(rid)
-                continue
-            state = self._parse(rid, raw)
-            if state is not None:
-                states.append(state)
+        for i in range(0, len(ids), CHUNK):
+            # A chunk per command and a yield between chunks: at 1,000 replicas one read must not hold the
+            # event loop (and every decision waiting on it) for the whole fleet's parse.
+            chunk = ids[i:i + CHUNK]
+            raws = await self._mget([keys.replica_key(self.ns, rid) for rid in chunk])
+            for rid, raw in zip(chunk, raws, strict=True):
+                if raw is None:
+                    gone.append(rid)
+                    continue
+                state = self._parse(rid, raw)
+                if state is not None:
+                    states.append(state)
         if gone:  # expired records: their ids leave the registry set (whoever notices first)
             await self.client.srem(keys.replicas_key(self.ns), *gone)
         # Swapped together, with no await in between: a decision reads one consistent set.
@@ -65,6 +68,12 @@ class ReplicaRecords:
         self.states, self.position, self.by_generation = states, position, by_generation
         self._parsed = {rid: v for rid, v in self._parsed.items() if rid in self.position}
         self.read_at = time.monotonic()
+
+    async def _mget(self, names: list[str]) -> list[bytes | None]:
+        # One multi-bulk reply parses far faster than as many GET replies; a cluster splits it by slot.
+        if hasattr(self.client, "mget_nonatomic"):
+            return await self.client.mget_nonatomic(names)
+        return await self.client.mget(names)
 
     def _parse(self, rid: str, raw: bytes) -> ReplicaState | None:
         cached = self._parsed.get(rid)

@@ -66,11 +66,6 @@ class ReplicaView:
         self._retry_at = 0.0
         self._identity_read_at = 0.0
 
-    @property
-    def known(self) -> list[ReplicaState]:
-        """The replicas of the last good snapshot (for their identities and limits)."""
-        return self._last
-
     async def resolve(self, model: str) -> ServedModel:
         """What serves `model` (a base model, or an adapter of one) as the registry last said.
 
@@ -123,8 +118,9 @@ class ReplicaView:
 
     async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
         states = await self._read(block_hashes)
-        live = [self._with_local_load(s) for s in states
-                if s.load.healthy and (self.filter is None or self.filter.allows(s.info))]
+        inflight, allows = self.inflight, (self.filter.allows if self.filter is not None else None)
+        live = [s if inflight.get(s.info.replica_id, 0) <= s.load.requests else self._with_local_load(s)
+                for s in states if s.load.healthy and (allows is None or allows(s.info))]
         self.metrics.healthy_replicas.set(len(live))
         return live
 
@@ -147,7 +143,8 @@ class ReplicaView:
             if self._last:
                 self._last_at = now
         if states or now - self._last_at > EMPTY_GRACE:
-            self._last, self._last_at = [ReplicaState(s.info, s.load, 0) for s in states], now
+            # Kept with this decision's matches (no per-decision copy of the fleet): the fallback drops them.
+            self._last, self._last_at = states, now
             return states
         # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile the last
         # view serves (retries cover any replica that really went away).
