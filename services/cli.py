@@ -224,6 +224,9 @@ def _add_bench_paper(bsub) -> None:
     q.add_argument("--max-num-seqs", type=int, default=256)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--step-cost", default="cpu", choices=("cpu", "a100-opt13b"),
+                   help="what a step costs on the virtual clock: measured here, or modeled for the paper's OPT-13B on "
+                        "an A100 (the real engine still runs every step)")
     q.add_argument("--threads", type=int, default=1,
                    help="torch threads; at 1 each step is timed on CPU time, which other processes' load does not "
                         "inflate (0: torch's default, timed on wall time)")

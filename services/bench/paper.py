@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from services.bench.kv_breakdown import BusiestMoment
-from services.bench.paper_serve import PoolView, serve_trace, step_clock, sustained_rate
+from services.bench.paper_serve import PoolView, serve_trace, sustained_rate
 from services.bench.paper_workloads import DISTRIBUTIONS, WorkloadScale, poisson_trace
 from services.bench.sharing_savings import beam_search_saving, parallel_sampling_saving
+from services.bench.step_cost import make_step_cost
 
 SYSTEMS = ("request-level", "orca-max", "orca-pow2", "orca-oracle", "pagedserve")
 SHARING_WIDTHS = (2, 4, 6)
@@ -49,9 +50,9 @@ def run_workload(llm, w: WorkloadScale, args, block_size: int) -> dict:
         return SchedulerCore(view, llm.tokenizer, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, serving_system=system)
 
-    clock_fn, _ = step_clock(torch.get_num_threads())
+    step_cost = make_step_cost(args.step_cost, torch.get_num_threads(), w.scale)
     all_at_once = poisson_trace(w, args.num_requests, math.inf, vocab, args.seed)
-    capacity = serve_trace(core_for("pagedserve"), all_at_once, math.inf, clock_fn=clock_fn).throughput
+    capacity = serve_trace(core_for("pagedserve"), all_at_once, math.inf, step_cost=step_cost).throughput
     fractions = _floats(args.fractions)
     rates = [round(f * capacity, 3) for f in fractions]
     print(f"\n{w.dist.name}: scale {w.scale}, max sequence {w.max_seq_len} tokens, pool {w.pool_blocks(block_size)} "
@@ -64,7 +65,7 @@ def run_workload(llm, w: WorkloadScale, args, block_size: int) -> dict:
         count = requests_at(args.num_requests, f)
         for system in names:
             trace = poisson_trace(w, count, rate, vocab, args.seed, tag=f"{system}-{rate}-")
-            res = serve_trace(core_for(system), trace, rate, on_step=busiest[system].observe, clock_fn=clock_fn)
+            res = serve_trace(core_for(system), trace, rate, on_step=busiest[system].observe, step_cost=step_cost)
             sweeps[system].append({**res.as_dict(), "requests": count})
             print(f"  {system:<14} rate {rate:>7.3f}: normalized latency {res.normalized_latency:.4f} s/token, "
                   f"{res.throughput:.2f} req/s served, max {res.max_running} running, {count} requests "
@@ -156,7 +157,7 @@ def _run(args, started: float) -> int:
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                          f"{args.threads or 'default'} torch threads",
               "bound": f"{args.bound_factor} x pagedserve's normalized latency at the lowest swept rate",
-              "step_clock": step_clock(torch.get_num_threads())[1],
+              "step_cost": make_step_cost(args.step_cost, torch.get_num_threads(), 1.0).name,
               "workloads": {w.dist.name: run_workload(llm, w, args, args.block_size) for w in workloads}}
     if args.sharing_requests > 0:
         report["sharing"] = sharing(llm, args)

@@ -1,9 +1,8 @@
 """One system serving one Poisson trace on the real engine, timed step by step on a virtual clock.
 
-Every step runs the real scheduler and the real model on this machine and advances the clock by the
-time it took; requests join when the clock passes their arrival. That time is the process's CPU time
-when torch runs on one thread (the step's own compute: other processes loading the machine do not
-inflate it), else wall time. When nothing is in flight the
+Every step runs the real scheduler and the real model on this machine and advances the clock by what
+it cost (services.bench.step_cost: measured here, or modeled for the paper's GPU); requests join when
+the clock passes their arrival. When nothing is in flight the
 clock jumps to the next arrival instead of sleeping, so a rate sweep costs only the time the engine
 computes, while queueing, batching and every step's cost are the measured ones.
 """
@@ -14,10 +13,10 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.bench.paper_workloads import TraceRequest
+from services.bench.step_cost import MeasuredStep
 from services.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 
@@ -55,16 +54,8 @@ class RunResult:
         return {k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v) for k, v in self.__dict__.items()}
 
 
-def step_clock(torch_threads: int) -> tuple[Callable[[], float], str]:
-    """The clock a step is timed on, and its name: CPU time on one thread, wall time otherwise (several
-    threads' CPU time would count their spin-waits)."""
-    if torch_threads == 1:
-        return time.process_time, "CPU time (1 torch thread)"
-    return time.perf_counter, "wall time"
-
-
 def serve_trace(core: SchedulerCore, trace: list[TraceRequest], rate: float, on_step=None,
-                clock_fn: Callable[[], float] = time.perf_counter) -> RunResult:
+                step_cost=MeasuredStep(time.perf_counter, "measured: wall time")) -> RunResult:
     pending = deque(sorted(trace, key=lambda r: r.arrival))
     info: dict[str, TraceRequest] = {}
     clock = busy = 0.0
@@ -78,9 +69,7 @@ def serve_trace(core: SchedulerCore, trace: list[TraceRequest], rate: float, on_
             info[r.request_id] = r
             core.add_request(r.request_id, r.prompt_token_ids,
                              SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-        t0 = clock_fn()
-        outputs = core.step()
-        dt = clock_fn() - t0
+        outputs, dt = step_cost.run(core)
         clock += dt
         busy += dt
         max_running = max(max_running, len(core.scheduler.running))

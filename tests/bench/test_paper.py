@@ -35,7 +35,7 @@ def test_bench_paper_reports_every_system_on_both_workloads(tiny_llama_dir, tmp_
         assert [p["rate"] for p in sweep] == report["workloads"][workload]["rates"]
     par = report["sharing"]["parallel_sampling"]
     assert set(par) == {"2", "4", "6"} and all(0 <= v < 100 for v in par.values())
-    assert report["step_clock"] == "CPU time (1 torch thread)"  # others' load does not inflate a step
+    assert report["step_cost"] == "measured: CPU time (1 torch thread)"  # others' load does not inflate a step
     assert all(p["requests"] == 6 for p in sweep)
     assert png.stat().st_size > 10_000
     printed = capsys.readouterr().out
