@@ -2,6 +2,8 @@
 
     {ns}replicas            SET of replica ids ever registered (stale ids are pruned by readers)
     {ns}replica:{id}        JSON ReplicaState (identity + load + index generation), expires unless heartbeated
+    {ns}{records}changes    STREAM of replica ids whose record was written or removed (field "r"), trimmed
+                            to about CHANGES_MAXLEN entries: routers read only the records that changed
     {ns}tokenizer:{digest}  a model's tokenizer bundle (services.tokenizer), named by the SHA-256 in its
                             replicas' signed records; expires unless a replica of it heartbeats
     {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block. A stored block
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 DEFAULT_NAMESPACE = "pagedserve:"
 STORED = "+inf"  # the score of a stored block: a claim (finite expiry) never overrides it (ZADD GT)
+CHANGES_MAXLEN = 50_000  # a router further behind than this reads every record again
 
 
 def replicas_key(ns: str) -> str:
@@ -35,3 +38,7 @@ def block_key(ns: str, block_hash: int) -> str:
 
 def tokenizer_key(ns: str, digest: str) -> str:
     return ns + "tokenizer:" + digest
+
+
+def changes_key(ns: str) -> str:
+    return ns + "{records}changes"

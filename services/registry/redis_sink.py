@@ -56,6 +56,9 @@ class RedisSink:
                  px=int(ttl * 1000))
         pipe.sadd(keys.replicas_key(self.ns), rid)
         results = await pipe.execute()
+        # After the record is written (on a cluster the stream may live on another shard): a router that
+        # sees the change reads the new record.
+        await self._changed(rid)
         if digest and not results[0]:  # Redis restarted empty since it was written
             await self.write_tokenizer(digest, self._bundles[digest])
         stale, self._stale = self._stale, None
@@ -87,9 +90,14 @@ class RedisSink:
         pipe.srem(keys.replicas_key(self.ns), replica_id)
         pipe.delete(keys.replica_key(self.ns, replica_id))
         await pipe.execute()
+        await self._changed(replica_id)
         gen = self._generation.pop(replica_id, None)
         if gen is not None:
             await self._file(gen, (), self._filed.pop(replica_id, set()))
+
+    async def _changed(self, replica_id: str) -> None:
+        await self.client.xadd(keys.changes_key(self.ns), {"r": replica_id}, maxlen=keys.CHANGES_MAXLEN,
+                               approximate=True)
 
     async def _file(self, gen: int, stored, removed) -> None:
         member = str(gen)

@@ -1,8 +1,11 @@
 """The router's in-memory copy of every replica's signed registry record (identity, load, generation).
 
-Records are read in the background every `refresh` seconds (O(replicas) per refresh, never per routing
-decision), verified once per distinct record, and looked up by replica id or by index generation. With
-refresh=0 every call re-reads them (tests that need the registry's latest word at once).
+Records are read in the background every `refresh` seconds, never per routing decision: only those
+that changed since the last read (the registry's change stream, services.registry.keys), so a refresh
+costs O(changes), not O(replicas); every FULL_READ_EVERY seconds all of them (a replica that died writes
+no change: its record just expires). Each distinct record is verified once, and looked up by replica id
+or by index generation. With refresh=0 every call re-reads them all (tests that need the registry's
+latest word at once).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from services.registry.model import ReplicaState, Signer, UntrustedRecord
 log = logging.getLogger(__name__)
 
 CHUNK = 200  # records read per command
+FULL_READ_EVERY = 2.0  # seconds between two reads of every record
 
 
 class ReplicaRecords:
@@ -31,6 +35,8 @@ class ReplicaRecords:
         self.position: dict[str, int] = {}  # replica id -> index in states
         self.by_generation: dict[int, str] = {}  # index generation -> replica id
         self.read_at = 0.0
+        self._full_at = 0.0
+        self._last_change = "0-0"  # the change stream's id up to which the records are read
         self._parsed: dict[str, tuple[bytes, ReplicaState]] = {}
         self._warned: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -45,8 +51,44 @@ class ReplicaRecords:
         return self.states
 
     async def read(self) -> None:
+        """Every record (and the change stream's position, taken first: no change after it is missed)."""
+        tail = await self.client.xrevrange(keys.changes_key(self.ns), "+", "-", count=1)
         ids = sorted(m.decode() if isinstance(m, bytes) else m
                      for m in await self.client.smembers(keys.replicas_key(self.ns)))
+        states, gone = await self._read_ids(ids)
+        if gone:  # expired records: their ids leave the registry set (whoever notices first)
+            await self.client.srem(keys.replicas_key(self.ns), *gone)
+        self._install(states)
+        self._last_change = _entry_id(tail[0]) if tail else "0-0"
+        self._full_at = self.read_at
+
+    async def refresh_changed(self) -> None:
+        """The records written or removed since the last read; all of them when a full read is due or the
+        stream was trimmed past this router's position."""
+        if time.monotonic() - self._full_at >= FULL_READ_EVERY:
+            await self.read()
+            return
+        pipe = self.client.pipeline(transaction=False)
+        stream = keys.changes_key(self.ns)
+        pipe.xrange(stream, "-", "+", count=1)
+        pipe.xrange(stream, "(" + self._last_change, "+", count=keys.CHANGES_MAXLEN)
+        first, changes = await pipe.execute()
+        if first and self._last_change != "0-0" and _newer(_entry_id(first[0]), self._last_change):
+            await self.read()  # entries this router never saw were trimmed away
+            return
+        if not changes:
+            self.read_at = time.monotonic()
+            return
+        changed = sorted({_text(fields.get(b"r") or fields.get("r") or b"") for _, fields in changes} - {""})
+        fresh, _ = await self._read_ids(changed)
+        by_id = {s.info.replica_id: s for s in self.states}
+        for rid in changed:
+            by_id.pop(rid, None)
+        by_id.update((s.info.replica_id, s) for s in fresh)
+        self._install([by_id[rid] for rid in sorted(by_id)])
+        self._last_change = _entry_id(changes[-1])
+
+    async def _read_ids(self, ids: list[str]) -> tuple[list[ReplicaState], list[str]]:
         states, gone = [], []
         for i in range(0, len(ids), CHUNK):
             # A chunk per command and a yield between chunks: at 1,000 replicas one read must not hold the
@@ -60,8 +102,9 @@ class ReplicaRecords:
                 state = self._parse(rid, raw)
                 if state is not None:
                     states.append(state)
-        if gone:  # expired records: their ids leave the registry set (whoever notices first)
-            await self.client.srem(keys.replicas_key(self.ns), *gone)
+        return states, gone
+
+    def _install(self, states: list[ReplicaState]) -> None:
         # Swapped together, with no await in between: a decision reads one consistent set.
         position = {s.info.replica_id: i for i, s in enumerate(states)}
         by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
@@ -93,7 +136,7 @@ class ReplicaRecords:
         while True:
             await asyncio.sleep(self.refresh)
             try:
-                await self.read()
+                await self.refresh_changed()
             except Exception as exc:  # the decision path notices the outage itself and degrades
                 if not self._failing:
                     log.warning("registry records unreadable (%s: %s); keeping the last ones", type(exc).__name__, exc)
@@ -105,3 +148,18 @@ class ReplicaRecords:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _entry_id(entry) -> str:
+    return _text(entry[0])
+
+
+def _newer(a: str, b: str) -> bool:
+    """Whether stream id a comes after b ("ms-seq")."""
+    am, _, aseq = a.partition("-")
+    bm, _, bseq = b.partition("-")
+    return (int(am), int(aseq or 0)) > (int(bm), int(bseq or 0))

@@ -1,0 +1,113 @@
+"""The router's copy of the replica records: a refresh reads only the records that changed (the registry's
+change stream), on a real redis-server and a real Redis Cluster; a full read still catches expiries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from services.registry import keys
+from services.registry.model import ReplicaInfo, ReplicaLoad, ReplicaState
+from services.registry.redis_sink import RedisSink, connect
+from services.router import replica_records
+from services.router.replica_records import ReplicaRecords
+
+
+def state(rid: str, running: int = 0) -> ReplicaState:
+    return ReplicaState(ReplicaInfo(rid, f"http://{rid}", "m", 16, 4096, 8, 1), ReplicaLoad(0, running))
+
+
+async def _scenario(url: str):
+    client = connect(url)
+    sink = RedisSink(client)
+    for i in range(50):
+        await sink.write_state(state(f"r{i:02d}"), ttl=60)
+    records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+    await records.read()
+    assert len(records.states) == 50
+    await sink.write_state(state("r07", running=5), ttl=60)
+    await sink.write_state(state("r99"), ttl=60)  # a new replica
+    await sink.remove_replica("r13")  # a replica that left
+    await records.refresh_changed()
+    by_id = {s.info.replica_id: s for s in records.states}
+    assert by_id["r07"].load.num_running == 5 and "r99" in by_id and "r13" not in by_id and len(by_id) == 50
+    assert [s.info.replica_id for s in records.states] == sorted(by_id)
+    assert records.position == {rid: i for i, rid in enumerate(sorted(by_id))}
+    await records.refresh_changed()  # nothing changed: nothing read
+    await client.aclose()
+    return records
+
+
+def test_a_refresh_reads_only_what_changed(redis_server):
+    asyncio.run(_scenario(redis_server.url))
+    # The same again, counting records read: one changed record costs one key, not fifty.
+    redis_server.flush()
+
+    async def counted():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        for i in range(50):
+            await sink.write_state(state(f"r{i:02d}"), ttl=60)
+        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+        await records.read()
+        await sink.write_state(state("r03", running=2), ttl=60)
+        before = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {})
+        await records.refresh_changed()
+        after = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {})
+        await client.aclose()
+        return after.get("calls", 0) - before.get("calls", 0), records
+
+    calls, records = asyncio.run(counted())
+    assert calls == 1 and {s.info.replica_id: s for s in records.states}["r03"].load.num_running == 2
+
+
+def test_the_change_feed_works_on_a_cluster(redis_cluster):
+    asyncio.run(_scenario(redis_cluster.url))
+
+
+def test_an_expired_record_goes_at_the_next_full_read(redis_server, monkeypatch):
+    async def scenario():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        await sink.write_state(state("alive"), ttl=60)
+        await sink.write_state(state("dying"), ttl=0.2)  # it dies: no change is ever written for it
+        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+        await records.read()
+        assert len(records.states) == 2
+        await asyncio.sleep(0.4)
+        await records.refresh_changed()
+        assert len(records.states) == 2  # not yet: no change says so
+        monkeypatch.setattr(replica_records, "FULL_READ_EVERY", 0.0)
+        await records.refresh_changed()
+        assert [s.info.replica_id for s in records.states] == ["alive"]
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_router_behind_a_trimmed_stream_reads_everything(redis_server):
+    async def scenario():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        await sink.write_state(state("a"), ttl=60)
+        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+        await records.read()
+        await sink.write_state(state("b"), ttl=60)
+        await sink.write_state(state("a", running=3), ttl=60)
+        # Trim the stream past this router's position (as MAXLEN does when it falls far behind).
+        await client.xtrim(keys.changes_key(keys.DEFAULT_NAMESPACE), maxlen=0)
+        await sink.write_state(state("c"), ttl=60)
+        await records.refresh_changed()
+        by_id = {s.info.replica_id: s for s in records.states}
+        assert set(by_id) == {"a", "b", "c"} and by_id["a"].load.num_running == 3
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("a,b,newer", [("5-0", "4-9", True), ("5-1", "5-0", True), ("5-0", "5-0", False),
+                                        ("10-0", "9-0", True)])
+def test_stream_ids_compare_as_numbers(a, b, newer):
+    assert replica_records._newer(a, b) is newer
