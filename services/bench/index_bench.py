@@ -25,7 +25,7 @@ from services.registry.model import ReplicaInfo, ReplicaLoad
 from services.registry.publisher import ReplicaPublisher
 from services.registry.redis_sink import RedisSink, connect
 from services.router.metrics import RouterMetrics
-from services.router.policies import PrefixPolicy, RouteRequest
+from services.router.policies import PrefixPolicy, RouteRequest, useful_blocks
 from services.router.redis_index import RedisIndex
 from services.router.replicas import ReplicaView
 
@@ -172,8 +172,9 @@ async def run_fleet(url: str, n: int, args) -> FleetResult:
     usec_start, _ = await redis_stats(client)
     for k, hashes in enumerate(prompts):
         t0, c0 = time.perf_counter(), time.process_time()
-        live = await view.snapshot(hashes)
-        ranked = policy.rank(live, RouteRequest(hashes, len(hashes) * BLOCK, BLOCK))
+        route = RouteRequest(hashes, len(hashes) * BLOCK, BLOCK)
+        live = await view.snapshot(hashes, useful_blocks(route))  # as the router's decision does
+        ranked = policy.rank(live, route)
         lat.append(time.perf_counter() - t0)
         cpu += time.process_time() - c0
         chosen = ranked[0]

@@ -45,7 +45,7 @@ class MemoryIndex:
         self._pending.pop(replica_id, None)
 
     # -- index (router side) -----------------------------------------------------------------------
-    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
+    async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         now = time.monotonic()
         out = []
         for rid, (state, expiry) in list(self._states.items()):

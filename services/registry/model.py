@@ -127,7 +127,10 @@ class RegistrySink(Protocol):
 class PrefixIndex(Protocol):
     """What a router reads: every live replica with how many leading blocks of a prompt it holds."""
 
-    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]: ...
+    async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
+        """Every live replica with the leading blocks it holds; a match shorter than `min_blocks` (one no
+        policy would act on) may be reported as 0, which spares the index reading its many holders."""
+        ...
 
     async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
         """Mark a prompt's blocks from `held` on (it holds the first `held`) as about to be cached on a

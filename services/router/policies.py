@@ -101,6 +101,13 @@ def least_loaded(replicas: list[ReplicaState], req: RouteRequest, k: int = RANKE
     return _top(replicas, req, keys, k)
 
 
+def useful_blocks(req: RouteRequest) -> int:
+    """The fewest leading blocks a cached prefix needs for PrefixPolicy to act on it (what the index
+    need not resolve below)."""
+    by_ratio = -(-int(MIN_MATCH_RATIO * req.prompt_tokens) // req.block_size)
+    return max(1, min(by_ratio, -(-MIN_MATCH_TOKENS // req.block_size)))
+
+
 def match_ratio(r: ReplicaState, req: RouteRequest) -> float:
     return r.matched_blocks * req.block_size / req.prompt_tokens if req.prompt_tokens else 0.0
 

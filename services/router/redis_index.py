@@ -40,7 +40,7 @@ class RedisIndex:
         self.ns = namespace
         self.records = ReplicaRecords(client, namespace, signer, record_refresh)
 
-    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
+    async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         await self.records.current()
         # One consistent set of records for this decision: a background refresh may swap them meanwhile.
         states, position, by_generation = self.records.states, self.records.position, self.records.by_generation
@@ -48,22 +48,23 @@ class RedisIndex:
         if not hashes or not states:
             return list(states)
         out = list(states)
-        for i, n in (await self.matches(hashes, position, by_generation)).items():
+        for i, n in (await self.matches(hashes, position, by_generation, min_blocks)).items():
             out[i] = ReplicaState(out[i].info, out[i].load, n)
         return out
 
     async def matches(self, hashes: list[int], position: dict[str, int],
-                      by_generation: dict[int, str]) -> dict[int, int]:
+                      by_generation: dict[int, str], min_blocks: int = 1) -> dict[int, int]:
         """Position of a live replica in the records -> leading blocks of the prompt it holds (or was
-        claimed for), for the holders of up to LEVELS distinct prefix depths, deepest first; replicas not
-        named hold less (or nothing)."""
+        claimed for), for the holders of up to LEVELS distinct prefix depths of at least `min_blocks`,
+        deepest first; replicas not named hold less (or nothing). A shallow prefix every replica holds (a
+        shared chat-template header) is never read: its holders are the whole fleet."""
         now = int(time.time() * 1000)
         counts: dict[int, int] = {}
         found: dict[int, int] = {}
         hi, floor = len(hashes), 0
         for _ in range(LEVELS):
             depth = await self._deepest(hashes, hi, floor, counts, now)
-            if depth < 0:
+            if depth < max(0, min_blocks - 1):
                 break
             members = await self.client.zrangebyscore(keys.block_key(self.ns, hashes[depth]), now, "+inf",
                                                       start=0, num=HOLDERS)

@@ -116,20 +116,20 @@ class ReplicaView:
         out = [(name, n, None) for name, n in sorted(lens.items())]
         return out + [(name, lens[p], p) for name, p in sorted(parents.items()) if name not in lens]
 
-    async def snapshot(self, block_hashes: list[int]) -> list[ReplicaState]:
-        states = await self._read(block_hashes)
+    async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
+        states = await self._read(block_hashes, min_blocks)
         inflight, allows = self.inflight, (self.filter.allows if self.filter is not None else None)
         live = [s if inflight.get(s.info.replica_id, 0) <= s.load.requests else self._with_local_load(s)
                 for s in states if s.load.healthy and (allows is None or allows(s.info))]
         self.metrics.healthy_replicas.set(len(live))
         return live
 
-    async def _read(self, block_hashes: list[int]) -> list[ReplicaState]:
+    async def _read(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         now = time.monotonic()
         if self._index_down and now < self._retry_at:
             return self._fallback()  # do not make every request wait for a dead Redis's timeout
         try:
-            states = await self.index.snapshot(block_hashes)
+            states = await self.index.snapshot(block_hashes, min_blocks)
         except Exception as exc:
             if not self._index_down:
                 log.warning("prefix index unreachable (%s: %s); routing on load only", type(exc).__name__, exc)

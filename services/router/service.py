@@ -36,7 +36,7 @@ from services.registry.model import PrefixIndex
 from services.router.admission import ModelQueues
 from services.router.auth import ApiKeys
 from services.router.metrics import RouterMetrics
-from services.router.policies import RouteRequest, make_policy, match_ratio
+from services.router.policies import RouteRequest, make_policy, match_ratio, useful_blocks
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, ServedModel, saturated
 from services.router.request_time import RequestTimes
@@ -181,7 +181,8 @@ class RouterService:
 
     async def _pick(self, served: ServedModel, route: RouteRequest) -> list | None:
         identity = served.identity
-        replicas = [r for r in await self.view.snapshot(route.block_hashes) if r.info.identity == identity]
+        snapshot = await self.view.snapshot(route.block_hashes, useful_blocks(route))
+        replicas = [r for r in snapshot if r.info.identity == identity]
         for r in replicas:
             self._model_of[r.info.replica_id] = identity.model
         if not replicas:

@@ -66,3 +66,28 @@ def test_dead_and_superseded_generations_are_ignored(redis_server):
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_shared_header_too_short_to_act_on_is_never_read(redis_server):
+    """Every replica holds the 4-block header: below the policy's useful depth its 100 holders are skipped."""
+    async def scenario():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        prompt = list(range(5000, 5064))
+        for i in range(100):
+            rid = f"replica-{i}"
+            await sink.write_blocks(rid, BlockDelta(stored=set(prompt[:40] if i == 0 else prompt[:4])), ttl=60)
+            await sink.write_state(ReplicaState(ReplicaInfo(rid, "http://x", "m", 16, 4096, 8, 1), ReplicaLoad()),
+                                   60)
+        index = RedisIndex(client)
+        await index.snapshot([])
+        stats = redis.Redis.from_url(redis_server.url)
+        ranges = stats.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
+        states = await index.snapshot(prompt, min_blocks=10)
+        read = stats.info("commandstats")["cmdstat_zrangebyscore"]["calls"] - ranges
+        await index.close()
+        await client.aclose()
+        return {s.info.replica_id: s.matched_blocks for s in states if s.matched_blocks}, read
+
+    matched, holder_reads = asyncio.run(scenario())
+    assert matched == {"replica-0": 40} and holder_reads == 1

@@ -16,7 +16,7 @@ class FlakyIndex:
         self.mode = "up"
         self.state = ReplicaState(ReplicaInfo("a", "http://127.0.0.1:1", "m", 16, 2048, 8, 1), ReplicaLoad())
 
-    async def snapshot(self, block_hashes):
+    async def snapshot(self, block_hashes, min_blocks=1):
         if self.mode == "down":
             raise ConnectionError("Redis is down")
         return [self.state] if self.mode == "up" else []
