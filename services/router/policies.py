@@ -26,8 +26,11 @@ from services.registry.model import ReplicaState
 MIN_MATCH_RATIO = 0.3
 MIN_MATCH_TOKENS = 256
 # Hot-spot guard: a replica whose load exceeds the least loaded one's by more than
-# max(GUARD_ABS, GUARD_REL * least) loses its affinity; load wins.
-GUARD_ABS = 4
+# max(GUARD_ABS, GUARD_REL * least) loses its affinity; load wins. At 4, ordinary Poisson bunching of one
+# prefix's requests (two in flight on average) tripped it: `bench index` lost 3-5% of the oracle's cached
+# tokens and put 1.3-1.6x the fair share on some replica at 100 replicas; 8 keeps both exact there and
+# still spills a hot prefix (SGLang's router waits for an imbalance of 32).
+GUARD_ABS = 8
 GUARD_REL = 0.5
 # Replicas ranked per request: the chosen one and its runners-up for retries (the proxy tries at most 3).
 # Ordering the whole fleet would cost O(replicas log replicas) per request, and hashing every replica

@@ -43,7 +43,9 @@ def test_a_decision_costs_the_same_commands_for_3_or_300_replicas(redis_server):
     big, big_cost = asyncio.run(fleet(redis_server.url, 100, prompt))
     assert small == {"replica-0": 40, "replica-1": 4, "replica-2": 4}
     assert big["replica-0"] == 40 and len(big) == 100
-    assert big_cost == small_cost  # O(prompt blocks), whatever the fleet
+    # O(log prompt blocks), whatever the fleet: 100 holders of the header cost no more than 3 (the search
+    # stops at a depth with more holders than it reads).
+    assert big_cost <= small_cost <= 30
 
 
 def test_dead_and_superseded_generations_are_ignored(redis_server):
