@@ -154,6 +154,9 @@ def _add_bench(sub) -> None:
     s.add_argument("--structured", type=float, default=0.0,
                    help="share of requests (0-1) constrained to a JSON schema (response_format json_schema)")
     s.add_argument("--warmup", type=int, default=8, help="requests sent to each server before measuring")
+    s.add_argument("--lora-adapters", default=None,
+                   help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: starts one `pagedserve "
+                        "serve` with them and gives each count's throughput and its ratio to the base model (0)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log-dir", default=None, help="where started servers' logs go (default .bench/logs)")
     s.add_argument("--json", dest="json_path", default=None)

@@ -20,18 +20,17 @@ from services.lora_files import TARGET_MODULES, tensor_key
 RANK = 8
 
 
-def write_random_adapter(out: Path, llm, seed: int, rank: int = RANK) -> Path:
-    """A PEFT-format adapter of `rank` on every projection of `llm`'s model, seeded."""
+def write_random_adapter(out: Path, config, seed: int, rank: int = RANK) -> Path:
+    """A PEFT-format adapter of `rank` on every projection of a Llama `config` (services.engine.llama), seeded."""
     import torch
     from safetensors.torch import save_file
 
     from services.engine.lora.weights import module_dims
 
-    m = llm.runner.model
-    dims = module_dims(m.config, m.num_heads, m.num_kv_heads)
+    dims = module_dims(config, config.num_heads, config.num_kv_heads)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(m.config.num_layers):
+    for layer in range(config.num_layers):
         for module in TARGET_MODULES:
             fan_in, fan_out = dims[module]
             tensors[tensor_key(layer, module, "A")] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
@@ -42,6 +41,13 @@ def write_random_adapter(out: Path, llm, seed: int, rank: int = RANK) -> Path:
         "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES),
         "bias": "none"}))
     return out
+
+
+def model_config(model_dir: Path):
+    """The Llama config of a model directory, as the engine reads it."""
+    from services.engine.llama import LlamaConfig
+
+    return LlamaConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 def _timed(llm, requests, names) -> dict:
@@ -63,7 +69,8 @@ def run(args, counts: list[int]) -> dict:
     requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(max(counts)):
-            llm.load_lora(f"lora{i}", str(write_random_adapter(Path(tmp) / f"lora{i}", llm, seed=args.seed + i)))
+            path = write_random_adapter(Path(tmp) / f"lora{i}", model_config(llm.runner.model_dir), seed=args.seed + i)
+            llm.load_lora(f"lora{i}", str(path))
         # Warm-up outside the clock (kernels, allocator), with every adapter once.
         warm = [(7919 * i) % 4000 + 100 for i in range(32)]
         llm.generate([warm] * (max(counts) + 1), SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,

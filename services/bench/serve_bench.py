@@ -76,10 +76,10 @@ class StartedServer:
         self._log.close()
 
 
-def _pagedserve(mode: str, args, port: int, log_dir: Path) -> StartedServer:
+def _pagedserve(mode: str, args, port: int, log_dir: Path, extra: list[str] | None = None) -> StartedServer:
     argv = [sys.executable, "-m", "services.cli", mode, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
-            str(args.max_model_len), "--log-level", "warning"]
+            str(args.max_model_len), "--log-level", "warning", *(extra or [])]
     if args.model:
         argv += ["--model", args.model]
     if mode == "up":
@@ -108,7 +108,7 @@ def _bytes(text: str) -> int:
     return parse_bytes(text)
 
 
-async def run_load(url: str, model: str, requests: list[ServeRequest], rate: float, arrival: str,
+async def run_load(url: str, model: str | list[str], requests: list[ServeRequest], rate: float, arrival: str,
                    burstiness: float, concurrency: int | None, seed: int, ignore_eos: bool,
                    headers: dict | None = None, progress: bool = True) -> tuple[list[RequestResult], float]:
     gaps = arrival_gaps(len(requests), rate, arrival, burstiness, seed)
@@ -123,11 +123,13 @@ async def run_load(url: str, model: str, requests: list[ServeRequest], rate: flo
         async def one(req: ServeRequest) -> None:
             if limit is not None:
                 await limit.acquire()
+            # Several models (adapters): the requests take turns over them.
+            name = model if isinstance(model, str) else model[req.index % len(model)]
             try:
                 if req.user_turns:
-                    got = await run_session(client, url, model, req, t0, ignore_eos, headers)
+                    got = await run_session(client, url, name, req, t0, ignore_eos, headers)
                 else:
-                    got = [await stream_one(client, url, completion_body(model, req, ignore_eos), "/v1/completions",
+                    got = [await stream_one(client, url, completion_body(name, req, ignore_eos), "/v1/completions",
                                             t0, req.index, headers)]
                 results.extend(got)
                 bar.update(len(got))
@@ -192,6 +194,28 @@ TABLE_HEAD = ("| system | rate (req/s) | completed | req/s | out tok/s | TTFT p5
               "ITL p50 ms | E2E p50 ms | goodput req/s | errors |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _lora(args, rates, workloads, vocab: int, slo: SLO, log_dir: Path) -> int:
+    from services.bench import serve_lora
+
+    try:
+        counts = sorted({int(c) for c in args.lora_adapters.split(",")})
+    except ValueError:
+        print(f"--lora-adapters: expected counts like 0,1,4, got {args.lora_adapters!r}", file=sys.stderr)
+        return 2
+    if counts[0] < 0 or args.endpoint or args.against or args.structured:
+        print("--lora-adapters: counts >= 0, and it starts its own `pagedserve serve` (no --endpoint, --against "
+              "or --structured)", file=sys.stderr)
+        return 2
+    try:
+        report = serve_lora.run(args, counts, rates, workloads, vocab, slo, log_dir)
+    except ValueError as exc:
+        print(f"--lora-adapters: {exc}", file=sys.stderr)
+        return 2
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
 def run(args) -> int:
     from services.model_source import resolve_model, resolve_tokenizer
     from services.ports import free_port
@@ -213,6 +237,8 @@ def run(args) -> int:
     slo = SLO.parse(args.slo)
     log_dir = Path(args.log_dir or ".bench/logs")
     log_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "lora_adapters", None):
+        return _lora(args, rates, workloads, vocab, slo, log_dir)
     systems: list[tuple[str, object]] = []
     if args.endpoint:
         systems.append(("endpoint", args.endpoint.rstrip("/")))
