@@ -1,7 +1,8 @@
 """An adapter resident on one replica of its model, through a real router over real Redis and HTTP replicas:
-its requests go where it is resident and carry its digest; a replica that cannot load it is skipped for the
-next one; when none can, the client gets a 404 naming it, never a 5xx; when every replica holding it has
-left the registry, the others are still asked to load it, and an adapter unloaded on purpose is gone."""
+its requests go where it is resident and carry its digest, and elsewhere when that replica is saturated;
+a replica that cannot load it is skipped for the next one; when none can, the client gets a 404 naming it,
+never a 5xx; when every replica holding it has left the registry, the others are still asked to load it,
+and an adapter unloaded on purpose is gone."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def test_an_adapter_resident_on_one_replica_is_routed_there_or_loaded_elsewhere(
         assert len(sent) == 10 and {h[DIGEST_HEADER] for h in sent} == {DIGEST}
         base = complete(r.url, MODEL, "the base model")
         assert base.status_code == 200 and DIGEST_HEADER not in fakes.headers[-1]
+
+        # The resident replica is saturated: the request goes to a replica that loads the adapter.
+        fakes.publish("b", ReplicaLoad(num_running=8, num_waiting=8))
+        spilled = complete(r.url, "sql", "spilled")
+        assert spilled.status_code == 200 and spilled.headers["x-pagedserve-replica"] in ("a", "c")
+        assert fakes.headers[-1][DIGEST_HEADER] == DIGEST
+        fakes.publish("b", ReplicaLoad())
 
         # The resident replica cannot take it (say its copy was reloaded with other weights): the next is
         # asked, loads it and serves; the client sees a 200.
