@@ -25,10 +25,14 @@ pytest.importorskip("services.scheduler.async_scheduler")
 KEY = "admin-key-of-this-test"
 
 
-def _adapters(redis_url: str, replica_id: str) -> dict:
-    """The adapters a replica's registry record names, as Redis holds it (the signed JSON)."""
+def _info(redis_url: str, replica_id: str) -> dict:
+    """A replica's registry record as Redis holds it (the signed JSON): its identity part."""
     raw = redis.Redis.from_url(redis_url).get(keys.replica_key(keys.DEFAULT_NAMESPACE, replica_id))
-    return json.loads(raw)["info"]["adapters"] if raw else {}
+    return json.loads(raw)["info"] if raw else {}
+
+
+def _adapters(redis_url: str, replica_id: str) -> dict:
+    return _info(redis_url, replica_id).get("adapters", {})
 
 
 def _scheduler_pid(up_pid: int, replica_id: str) -> int:
@@ -74,9 +78,11 @@ def test_up_routes_an_adapter_to_its_one_resident_replica_or_loads_it_once(tiny_
             assert time.monotonic() < deadline, "the router never learned the adapter from the registry"
             time.sleep(0.2)
 
-        landed = []
+        landed, resident_s = [], []
         for i in range(20):
+            started = time.monotonic()
             r = _complete(url, "sql", f"select row {i} from the table " * 3)
+            resident_s.append(time.monotonic() - started)
             assert r.status_code == 200, r.text
             landed.append(r.headers["x-pagedserve-replica"])
         assert set(landed) == {"alpha-0"}, landed
@@ -100,13 +106,20 @@ def test_up_routes_an_adapter_to_its_one_resident_replica_or_loads_it_once(tiny_
         # The resident replica stops: every request still succeeds, served by alpha's other replica, which
         # loads the adapter from the shared directory (once: after that it is resident there).
         os.kill(_scheduler_pid(proc.pid, "alpha-0"), signal.SIGKILL)
-        after = []
+        after, after_s = [], []
         for i in range(8):
+            started = time.monotonic()
             r = _complete(url, "sql", f"after the stop {i} " * 3)
+            after_s.append(time.monotonic() - started)
             assert r.status_code == 200, r.text
             after.append(r.headers["x-pagedserve-replica"])
         assert after[0] == "alpha-1", after
         assert _adapters(redis_server.url, "alpha-1") == {"sql": digest}
+        loads = {rid: _info(redis_server.url, rid).get("adapter_load_seconds") for rid in ("alpha-0", "alpha-1")}
+        print(f"\nlora-routing: admin load on alpha-0 {loads['alpha-0']}s, on-demand load on alpha-1 "
+              f"{loads['alpha-1']}s; request on the resident replica median {sorted(resident_s)[10]:.3f}s, "
+              f"first after the stop (connection refused, retry, load) {after_s[0]:.3f}s, "
+              f"then median {sorted(after_s[1:])[3]:.3f}s", flush=True)
         time.sleep(2)  # alpha-0 is back (up restarts it) without the adapter; alpha-1 holds it now
         again = {_complete(url, "sql", f"settled {i} " * 3).headers["x-pagedserve-replica"] for i in range(6)}
         assert again == {"alpha-1"}, again
