@@ -27,6 +27,12 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "a
 # The Llama family's projections, PEFT's names; the attention ones then the MLP ones.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_BYTES = 1 << 30
+# Router -> replica: the digest of the adapter a request names, as the router resolved it from the registry.
+# The replica serves only those weights under that name, loading them on demand from its --lora-dir.
+DIGEST_HEADER = "x-pagedserve-lora-digest"
+# A replica's error code for "this adapter cannot be served here" (missing, other weights, no room): the
+# router tries the next replica instead of relaying it.
+UNAVAILABLE_CODE = "lora_unavailable"
 MAX_CONFIG_BYTES = 1 << 20
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d{1,6})\."
                   r"(?:self_attn\.([qkvo]_proj)|mlp\.((?:gate|up|down)_proj))\.lora_([AB])\.weight$")

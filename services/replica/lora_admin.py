@@ -76,21 +76,34 @@ class LoraAdmin:
         name, path = body["lora_name"], body.get("lora_path")
         if not isinstance(path, str):
             raise APIError(400, "lora_path must be a string", "lora_path")
-        core = self.replica.core
-        if not core.info.max_loras:
+        if not self.replica.core.info.max_loras:
             raise APIError(400, "this replica serves no LoRA adapters: start it with --max-loras", "lora_name")
-        started = time.perf_counter()
         try:
-            # Reading and hashing may take a while: off the event loop, then the engine's load between steps.
-            files = await asyncio.to_thread(read_adapter, path, self.lora_dir, core.info.max_lora_rank or 1)
-            ref = await asyncio.to_thread(self.replica.loop.call, core.load_lora, name, files.path)
+            ref = await self.load_files(name, path)
         except AdapterError as exc:
             log.info("refused LoRA adapter %r from %r: %s", name, path, exc)
             raise APIError(400, f"{exc.field}: {exc.message}", exc.field, "invalid_lora_adapter") from None
-        self.last_load_seconds = time.perf_counter() - started
-        self.on_change()
         return JSONResponse({"lora_name": ref.name, "digest": ref.digest, "rank": ref.rank,
                              "message": f"Success: LoRA adapter '{name}' added successfully."})
+
+    async def load_files(self, name: str, path: str, expected_digest: str | None = None):
+        """Check the adapter at `path` (inside --lora-dir) and load it under `name`; the LoraRef. With
+        `expected_digest`, other bytes are refused before the engine reads them (and after, should the files
+        change in between). Raises AdapterError naming what is wrong. Measures the load for the registry."""
+        core = self.replica.core
+        started = time.perf_counter()
+        # Reading and hashing may take a while: off the event loop, then the engine's load between steps.
+        files = await asyncio.to_thread(read_adapter, path, self.lora_dir, core.info.max_lora_rank or 1)
+        if expected_digest is not None and files.digest != expected_digest:
+            raise AdapterError("lora_path", f"{path!r} holds other weights than the digest asked for")
+        ref = await asyncio.to_thread(self.replica.loop.call, core.load_lora, name, files.path)
+        if expected_digest is not None and ref.digest != expected_digest:  # rewritten while we read it
+            await asyncio.to_thread(self.replica.loop.call, core.unload_lora, name)
+            self.on_change()
+            raise AdapterError("lora_path", f"{path!r} changed while it was loaded")
+        self.last_load_seconds = time.perf_counter() - started
+        self.on_change()
+        return ref
 
     async def unload(self, request: Request) -> JSONResponse:
         body = await self._body(request, _UNLOAD_FIELDS)

@@ -13,7 +13,6 @@ from services.openai_api.body import read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
 from services.openai_api.responses_protocol import parse_responses_request, responses_error, to_chat
-from services.openai_api.routes import check_model
 from services.replica.response_events import ResponseEvents
 
 if TYPE_CHECKING:
@@ -29,11 +28,12 @@ class ResponsesEndpoint:
         serving.check_caller(request)
         body = await read_json_body(request, serving.config.max_body_bytes)
         req = parse_responses_request(body)
-        check_model(req.model, serving.config.model_name)
+        lora_name = await serving.resolve_lora(request, req.model)
         chat, where = to_chat(req)
         try:
             prepared = await prepare_async(chat, serving.tokenizer, serving.config.max_model_len)
             return await serving.serve_prepared(
-                request, prepared, "resp_", lambda acc: ResponseEvents(req, acc.request_id, acc.created, acc.usage))
+                request, prepared, "resp_", lambda acc: ResponseEvents(req, acc.request_id, acc.created, acc.usage),
+                lora_name)
         except APIError as err:  # found before the response began: named as the Responses fields
             raise responses_error(err, where) from None

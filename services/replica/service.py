@@ -16,6 +16,7 @@ from services.registry.publisher import ReplicaPublisher
 from services.replica.app import create_replica_app
 from services.replica.health import Replica
 from services.replica.lora_admin import LoraAdmin
+from services.replica.lora_demand import DEFAULT_MAX_ADAPTERS, OnDemandLoader
 from services.replica.metrics import SchedulerMetrics
 from services.replica.serving import OpenAIServing, ServingConfig
 from services.tokenizer import ModelTokenizer
@@ -34,6 +35,7 @@ class ReplicaSettings:
     lora_modules: list[str] = field(default_factory=list)  # NAME=PATH adapters loaded at start (trusted paths)
     lora_dir: str | None = None  # where run-time loads may read adapters from (None: nowhere)
     lora_admin_key: str | None = None  # the key of /v1/load_lora_adapter and /v1/unload_lora_adapter
+    max_adapters: int = DEFAULT_MAX_ADAPTERS  # adapters held by name at most (on-demand loads stop there)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ReplicaService:
     publishers: list[ReplicaPublisher] = field(default_factory=list)
     lora_admin: LoraAdmin | None = None  # the run-time adapter endpoints (mounted on `app`; `serve` mounts them
     # on its public app too)
+    on_demand: OnDemandLoader | None = None  # loads what a router's request names with its digest
 
     def adapters(self) -> dict[str, str]:
         """The resident LoRA adapters: name -> digest."""
@@ -100,6 +103,7 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
 
     service = ReplicaService(replica, None, model_name, core.max_model_len, metrics, tokenizer)
     admin = LoraAdmin(replica, model_name, settings.lora_admin_key, settings.lora_dir, service.adapters_changed)
+    serving.on_demand = service.on_demand = OnDemandLoader(admin, core.loras.by_name, settings.max_adapters)
     service.app = create_replica_app(serving, metrics, health, admin)
     service.lora_admin = admin
     return service

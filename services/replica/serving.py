@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.internal_auth import HEADER, InternalToken
+from services.lora_files import DIGEST_HEADER
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import PreparedRequest, prepare_async
@@ -27,6 +28,7 @@ from services.openai_api.streams import ClientGone, merge, until_disconnect
 from services.openai_api.tokenize import detokenize, parse_detokenize, parse_tokenize, tokenize
 from services.openai_api.tool_grammar import compile_constraint
 from services.replica.accumulator import ResponseAccumulator
+from services.replica.lora_demand import OnDemandLoader
 from services.replica.metrics import RequestTimer, SchedulerMetrics
 from services.replica.responses_endpoint import ResponsesEndpoint
 from services.sampling_params import InvalidRequestError, SamplingParams
@@ -83,6 +85,7 @@ class OpenAIServing:
         # The scheduler core's own compiler: compiling here, before admission, fills the cache it reads.
         self.grammars = grammars
         self.adapters: dict = {}  # LoRA adapter name -> LoraRef, as the core's registry holds them (read-only)
+        self.on_demand: OnDemandLoader | None = None  # loads an adapter a router names with its digest
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, CompletionRequest, "cmpl-")
@@ -120,7 +123,7 @@ class OpenAIServing:
         self.check_caller(request)
         body = await read_json_body(request, self.config.max_body_bytes)
         req = parse_request(model_cls, body)
-        lora_name = self.resolve_model(req.model)
+        lora_name = await self.resolve_lora(request, req.model)
         prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
         return await self.serve_prepared(request, prepared, id_prefix, ChatFormat, lora_name)
 
@@ -130,6 +133,15 @@ class OpenAIServing:
             return requested
         check_model(requested, self.config.model_name)
         return None
+
+    async def resolve_lora(self, request: Request, requested: str) -> str | None:
+        """resolve_model, and for a router's request naming an adapter's digest: those weights, loaded here
+        on demand if they are not yet (a retryable 503 when they cannot be)."""
+        digest = request.headers.get(DIGEST_HEADER)
+        if digest is None or requested == self.config.model_name or self.on_demand is None:
+            return self.resolve_model(requested)
+        await self.on_demand.ensure(requested, digest)
+        return requested
 
     async def serve_prepared(self, request: Request, prepared: PreparedRequest, id_prefix: str,
                              make_format: Callable[[ResponseAccumulator], ResponseFormat],

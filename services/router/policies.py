@@ -2,7 +2,8 @@
 (the few the proxy may try, not the whole fleet: see RANKED).
 
 A request for a LoRA adapter weighs, besides prefix hit and load, what loading the adapter costs where it
-is not resident: the replica's own measured load time (ReplicaInfo.adapter_load_seconds), in units of
+is not resident (the replica loads it on demand, services/replica/lora_demand.py): the replica's own
+measured load time (ReplicaInfo.adapter_load_seconds), in units of
 load (requests in flight) through the router's measured mean request time, so a fast load on an idle
 replica beats a queue behind a resident copy and a slow one does not.
 
@@ -37,6 +38,9 @@ GUARD_REL = 0.5
 # for ties O(replicas) hashes; instead one pass of plain tuples picks the few, and only ties among
 # those few are hashed.
 RANKED = 4
+# An adapter's load cost where nothing is measured yet: more than any queue, so residency wins; finite, so
+# replicas that must load it still rank among themselves by load.
+UNMEASURED_COST = 1e6
 
 
 @dataclass(slots=True)
@@ -67,10 +71,14 @@ def resident(r: ReplicaState, req: RouteRequest) -> bool:
 
 def adapter_cost(r: ReplicaState, req: RouteRequest, measured_load_seconds: float) -> float:
     """What loading the adapter on `r` first costs, in requests in flight: its load time over the share of
-    a batch one request takes (mean request time / capacity). 0 where resident or nothing is measured."""
-    if resident(r, req) or req.request_seconds <= 0:
+    a batch one request takes (mean request time / capacity). 0 where resident; UNMEASURED_COST while the
+    load or the request time is unknown, so the resident replicas come first until a measure says otherwise
+    (a saturated resident replica is skipped altogether, and then another loads the adapter)."""
+    if resident(r, req):
         return 0.0
     load_seconds = r.info.adapter_load_seconds or measured_load_seconds
+    if req.request_seconds <= 0 or load_seconds <= 0:
+        return UNMEASURED_COST
     return load_seconds * max(1, r.info.capacity) / req.request_seconds
 
 

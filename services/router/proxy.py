@@ -1,7 +1,9 @@
 """Forwarding one request to a ranked list of replicas, and relaying the answer as it streams.
 
 A replica that fails before its first byte (connection refused or reset, a 502/503/504) is skipped and
-the next one tried (never for a 500: the request itself failed there); after the first byte the answer
+the next one tried (never for a 500: the request itself failed there), and so is one that cannot load the
+LoRA adapter a request names (a 503 coded `lora_unavailable`; when every replica tried says so, the client
+gets a 404 naming the adapter, never a 5xx); after the first byte the answer
 is committed, and a broken stream ends with an SSE error event rather than a silent hang. Closing the
 upstream response when the client leaves makes the scheduler see the disconnect and free the request's
 KV blocks.
@@ -17,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from services.internal_auth import HEADER, InternalToken
+from services.lora_files import UNAVAILABLE_CODE
 from services.openai_api.errors import APIError, error_body
 from services.openai_api.streams import ClientGone, until_disconnect
 from services.registry.model import ReplicaState
@@ -45,16 +48,18 @@ class Proxy:
     async def close(self) -> None:
         await self.pool.close()
 
-    async def forward(self, request: Request, ranked: list[ReplicaState], path: str, body: bytes) -> Response:
+    async def forward(self, request: Request, ranked: list[ReplicaState], path: str, body: bytes,
+                      headers: dict[str, str] | None = None, adapter: str | None = None) -> Response:
+        """`headers`: sent with this request to every replica tried; `adapter`: the LoRA adapter it names."""
         last_error = "no replica available"
-        attempts = full = 0
+        attempts = full = refused = 0
         for attempt, replica in enumerate(ranked[:MAX_ATTEMPTS]):
             rid = replica.info.replica_id
             if attempt:
                 self.metrics.retries.inc()
             self.on_start(rid)
             try:
-                resp = await until_disconnect(self.pool.post(replica.info.url, path, body), request)
+                resp = await until_disconnect(self.pool.post(replica.info.url, path, body, headers), request)
             except ClientGone:
                 self.on_done(rid)
                 return Response(status_code=499)
@@ -68,6 +73,7 @@ class Proxy:
             if resp.status in RETRYABLE:
                 detail = await self._error_detail(resp)
                 full += resp.status == 503 and '"queue_full"' in detail
+                refused += resp.status == 503 and f'"{UNAVAILABLE_CODE}"' in detail
                 self.on_done(rid)
                 self.metrics.upstream_errors.inc()
                 last_error = f"replica {rid}: HTTP {resp.status}: {detail}"
@@ -92,6 +98,11 @@ class Proxy:
                 await resp.close()
                 self.on_done(rid)
             return Response(content, status_code=resp.status, headers=headers, media_type=media_type)
+        if adapter is not None and attempts and refused == attempts:
+            # Every replica tried could not load the adapter (missing from its directory, other weights, no
+            # room): a fact about the adapter, not an outage, so no 5xx.
+            raise APIError(404, f"The LoRA adapter `{adapter}` could not be loaded on any replica ({last_error})",
+                           "model", UNAVAILABLE_CODE)
         if attempts and full == attempts:
             # Every replica tried is at its queue bound: the client should slow down, not treat it as an outage.
             raise APIError(429, f"every replica tried is at its queue limit ({last_error})", code="queue_full",

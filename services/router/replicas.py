@@ -28,6 +28,8 @@ EMPTY_GRACE = 5.0
 INDEX_RETRY = 0.5
 # A request for a model no known replica serves re-reads the registry at most this often.
 IDENTITY_REFRESH = 0.5
+# How often the adapters the records name are re-derived (a pass over the fleet's records).
+ADAPTERS_REFRESH = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,34 @@ class ServedModel:
     tokenizer_digest: str
     adapter: str | None = None
     adapter_digest: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KnownAdapter:
+    """A LoRA adapter some replica's record named: its base model, the digest most holders hold, and who."""
+
+    parent: str
+    digest: str
+    holders: frozenset[tuple[str, int]]  # (replica id, generation): a restarted replica is another holder
+
+
+def remember_adapters(known: dict[str, KnownAdapter], infos: list[ReplicaInfo]) -> dict[str, KnownAdapter]:
+    """The adapters the records name now, plus those whose every holder left the registry or restarted (a
+    resident replica stopped or crashed: its model's replicas can still load the adapter on demand). One
+    that a holder still registered, same generation, no longer lists was unloaded on purpose: forgotten."""
+    out: dict[str, KnownAdapter] = {}
+    for name in {n for i in infos for n in i.adapters}:
+        holders = [i for i in infos if name in i.adapters]
+        # Replicas may briefly disagree (a reload in place rolling out): the digest most of them hold.
+        digests = Counter(i.adapters[name] for i in holders)
+        digest = max(digests, key=lambda d: (digests[d], d))
+        parent = min(i.model for i in holders if i.adapters[name] == digest)
+        out[name] = KnownAdapter(parent, digest, frozenset((i.replica_id, i.generation) for i in holders))
+    present = {(i.replica_id, i.generation) for i in infos}
+    for name, adapter in known.items():
+        if name not in out and not adapter.holders & present:
+            out[name] = adapter
+    return out
 
 
 class NoReplicasError(APIError):
@@ -65,6 +95,8 @@ class ReplicaView:
         self._index_down = False
         self._retry_at = 0.0
         self._identity_read_at = 0.0
+        self._adapters: dict[str, KnownAdapter] = {}  # name -> where it was last seen resident
+        self._adapters_at = float("-inf")
 
     async def resolve(self, model: str) -> ServedModel:
         """What serves `model` (a base model, or an adapter of one) as the registry last said.
@@ -75,6 +107,7 @@ class ReplicaView:
         found = self._resolve(model)
         if found is None and time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
             self._identity_read_at = time.monotonic()
+            self._adapters_at = float("-inf")  # this read re-derives them, whenever the last one did
             await self._read([])
             found = self._resolve(model)
         if found is not None:
@@ -88,15 +121,14 @@ class ReplicaView:
     def _resolve(self, model: str) -> ServedModel | None:
         serving = [s.info for s in self._last if s.info.model == model]
         adapter_digest = ""
-        if not serving:  # an adapter: served by the replicas of its parent, wherever it is resident
-            holders = [s.info for s in self._last if model in s.info.adapters]
-            if not holders:
+        if not serving:  # an adapter: served by the replicas of its parent, resident or loading it on demand
+            known = self._adapters.get(model)
+            if known is None:
                 return None
-            # Replicas may briefly disagree (a reload in place rolling out): the digest most of them hold.
-            digests = Counter(i.adapters[model] for i in holders)
-            adapter_digest = max(digests, key=lambda d: (digests[d], d))
-            parent = min(i.model for i in holders if i.adapters[model] == adapter_digest)
+            parent, adapter_digest = known.parent, known.digest
             serving = [s.info for s in self._last if s.info.model == parent]
+            if not serving:
+                return None
         identity = serving[0].identity
         same = [i for i in serving if i.identity == identity]
         return ServedModel(identity, min(i.max_model_len for i in same), same[0].tokenizer_digest,
@@ -104,17 +136,18 @@ class ReplicaView:
 
     async def models(self) -> list[tuple[str, int, str | None]]:
         """(name, max model length, parent) of every model and adapter the registry knows, for /v1/models:
-        base models have no parent, adapters name the base model they run on."""
-        if not self._last:
+        base models have no parent, adapters name the base model they run on. Read afresh (at most every
+        IDENTITY_REFRESH): an adapter loaded at run time is listed before any request names it."""
+        if not self._last or time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
+            self._identity_read_at = time.monotonic()
+            self._adapters_at = float("-inf")
             await self._read([])
         lens: dict[str, int] = {}
-        parents: dict[str, str] = {}
         for s in self._last:
             lens[s.info.model] = min(lens.get(s.info.model, s.info.max_model_len), s.info.max_model_len)
-            for name in s.info.adapters:
-                parents.setdefault(name, s.info.model)
         out = [(name, n, None) for name, n in sorted(lens.items())]
-        return out + [(name, lens[p], p) for name, p in sorted(parents.items()) if name not in lens]
+        return out + [(name, lens[a.parent], a.parent) for name, a in sorted(self._adapters.items())
+                      if name not in lens and a.parent in lens]
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         states = await self._read(block_hashes, min_blocks)
@@ -145,6 +178,8 @@ class ReplicaView:
         if states or now - self._last_at > EMPTY_GRACE:
             # Kept with this decision's matches (no per-decision copy of the fleet): the fallback drops them.
             self._last, self._last_at = states, now
+            if now - self._adapters_at >= ADAPTERS_REFRESH:  # O(replicas): not on every decision
+                self._adapters, self._adapters_at = remember_adapters(self._adapters, [s.info for s in states]), now
             return states
         # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile the last
         # view serves (retries cover any replica that really went away).

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.block_hash import adapter_seed, hash_blocks, salted_seed
 from services.internal_auth import InternalToken
+from services.lora_files import DIGEST_HEADER
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
@@ -168,7 +169,10 @@ class RouterService:
         self.metrics.prefix_match.observe(min(1.0, match_ratio(chosen, route)))
         if chosen.matched_blocks < len(route.block_hashes):
             self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes, chosen.matched_blocks))
-        return await self.proxy.forward(request, ranked, path, json.dumps(body).encode())
+        # The adapter's digest goes along: a replica where it is not resident loads those weights (and no
+        # others) from its adapter directory, or says it cannot and the proxy tries the next.
+        headers = {DIGEST_HEADER: served.adapter_digest} if served.adapter else None
+        return await self.proxy.forward(request, ranked, path, json.dumps(body).encode(), headers, served.adapter)
 
     async def _prepare(self, text: ModelText, req, max_model_len: int):
         """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""

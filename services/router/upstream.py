@@ -87,11 +87,14 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = \
             defaultdict(list)
 
-    async def post(self, base_url: str, path: str, body: bytes) -> UpstreamResponse:
+    async def post(self, base_url: str, path: str, body: bytes,
+                   headers: dict[str, str] | None = None) -> UpstreamResponse:
+        """`headers`: this request's own, besides the pool's (values the router computed, never a client's)."""
         parts = urlsplit(base_url)
+        extra = self._extra + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         key = (parts.hostname or "127.0.0.1", parts.port or 80)
         request = (f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n"
-                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{self._extra}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
                    ).encode() + body
         pooled = self._take(key)
         if pooled is not None:

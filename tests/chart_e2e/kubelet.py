@@ -3,7 +3,8 @@ rendered, failing liveness restarts a container, deletion runs preStop then SIGT
 
 Each pod gets its own loopback address (127.77.1.N): what a container's spec says about 127.0.0.1
 (its pod's own network namespace) and 0.0.0.0 is rewritten to it, so two pods' engines both listen on
-"their" port 7000. Volumes are temp folders (emptyDir, Secret and ConfigMap items written out) and
+"their" port 7000. Volumes are temp folders (emptyDir, Secret and ConfigMap items written out; a
+hostPath is that directory of this machine) and
 every mount path, like the image's own paths (/opt/venv, the bundled model), is rewritten to where it
 lies here. Env comes from the image's ENV, then the container's env (values with $(VAR) expansion,
 secretKeyRef from the rendered Secret, fieldRef status.podIP). Nothing else of the spec is changed.
@@ -197,6 +198,8 @@ class Pod:
 
     # -- volumes -----------------------------------------------------------------------------------
     def _make_volume(self, volume: dict) -> Path:
+        if "hostPath" in volume:  # this machine is the node
+            return Path(volume["hostPath"]["path"])
         path = self.dir / "volumes" / volume["name"]
         path.mkdir(parents=True)
         if "secret" in volume or "configMap" in volume:

@@ -13,6 +13,9 @@ counted (`make chart-e2e` shows it):
    (list + watch, the chart's RBAC enforced); the helm test passes through them.
 5. two models: upgraded to a `models:` list (the bundled weights under two names, a replica each); new
    routers with no model learn both tokenizers from the registry, route by `model`, helm test asks both.
+6. LoRA: upgraded to `lora` on a hostPath holding a PEFT adapter of the bundled model, admin key on; the
+   adapter loaded at run time on one replica: every request for it lands there; that pod deleted, the
+   other replica loads it from the same volume and serves it.
 """
 
 from __future__ import annotations
@@ -300,3 +303,49 @@ def test_two_models_behind_one_router(release):
     assert code == 0, output
     assert all(f"OK: {n} answered" in output for n in names)
     report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
+
+
+def test_a_lora_adapter_on_one_replica_then_loaded_by_the_other(release, tmp_path_factory):
+    """`helm upgrade` to LoRA (hostPath adapters, admin key from the chart's Secret), two replicas: an
+    adapter loaded at run time on one replica through its admin endpoint gets every request for it; with
+    that pod deleted, the other replica loads it on demand from the same volume and serves it."""
+    from services.model_source import resolve_model
+    from tests.engine.lora_adapters import save_random_adapter
+
+    cluster = release
+    adapters = tmp_path_factory.mktemp("adapters")
+    save_random_adapter(resolve_model(None), adapters / "sql", seed=1)
+    upgrade(cluster, "--set", f"lora.enabled=true,lora.source=hostPath,lora.hostPath.path={adapters},"
+            "lora.maxLoras=1,lora.maxLoraRank=8,lora.adminKey.enabled=true")
+    for pod in cluster.pods_of("replica"):
+        cluster.delete_pod(pod)
+    if not cluster.pods_of("redis"):  # run on its own (-k lora)
+        cluster.start_workload("StatefulSet", f"{FULLNAME}-redis")
+    if not cluster.pods_of("router"):
+        cluster.start_workload("Deployment", f"{FULLNAME}-router", replicas=1)
+    first, second = sorted(cluster.start_workload("Deployment", f"{FULLNAME}-replica", replicas=2),
+                           key=lambda p: p.name)
+    ready_s = cluster.wait(lambda: all(p.ready for p in cluster.pods.values()), 300, "the LoRA replicas to be Ready")
+    admin = cluster.object_data("Secret", f"{FULLNAME}-lora-admin")["lora-admin-key"].decode()
+    loaded = httpx.post(f"http://{first.ip}:8100/v1/load_lora_adapter", timeout=120,
+                        headers={"Authorization": f"Bearer {admin}"}, json={"lora_name": "sql", "lora_path": "sql"})
+    assert loaded.status_code == 200, loaded.text
+    router_url, key = cluster.service_url(f"{FULLNAME}-router"), api_key(cluster)
+    auth = {"Authorization": f"Bearer {key}"}
+    cluster.wait(lambda: "sql" in {m["id"] for m in httpx.get(f"{router_url}/v1/models", headers=auth,
+                                                              timeout=30).json()["data"]},
+                 30, "the router to learn the adapter from the registry")
+
+    def ask(i: int) -> httpx.Response:
+        body = {"model": "sql", "max_tokens": 4, "messages": [{"role": "user", "content": f"Rows {i}?"}]}
+        return httpx.post(f"{router_url}/v1/chat/completions", json=body, headers=auth, timeout=300)
+
+    before = [ask(i) for i in range(6)]
+    assert [a.status_code for a in before] == [200] * 6, before[0].text
+    assert {a.headers["x-pagedserve-replica"] for a in before} == {first.name}
+    cluster.delete_pod(first)
+    after = [ask(i) for i in range(6, 10)]
+    assert [a.status_code for a in after] == [200] * 4, after[0].text
+    assert {a.headers["x-pagedserve-replica"] for a in after} == {second.name}
+    report("lora", ok=True, replicas_ready_after_s=round(ready_s, 1), on_resident=len(before),
+           after_its_pod_deleted=len(after), served_by_the_other=len(after))

@@ -116,6 +116,17 @@ def pod_spec(workload: dict) -> dict:
     return workload["spec"] if workload["kind"] == "Pod" else workload["spec"]["template"]["spec"]
 
 
+def args_of(container: dict):
+    """A rendered container's args as its `pagedserve` command parses them."""
+    from services.cli import build_parser
+
+    return build_parser().parse_args(container["args"])
+
+
+def containers(workload: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in pod_spec(workload)["containers"]}
+
+
 def pod_labels(workload: dict) -> dict:
     meta = workload["metadata"] if workload["kind"] == "Pod" else workload["spec"]["template"]["metadata"]
     return meta.get("labels", {})

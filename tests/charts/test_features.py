@@ -9,15 +9,10 @@ import pytest
 import yaml
 
 from services import metric_names as M
-from services.cli import build_parser
 from tests.charts import values_doc
-from tests.charts.chart_render import NAMESPACE, RELEASE, pod_labels, pod_spec, render, render_error
+from tests.charts.chart_render import NAMESPACE, RELEASE, args_of, pod_labels, pod_spec, render, render_error
 
 FULLNAME = f"{RELEASE}-pagedserve"
-
-
-def args_of(container: dict):
-    return build_parser().parse_args(container["args"])
 
 
 def test_extra_env_volumes_and_objects_reach_the_pods():

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser
-from tests.charts.chart_render import RELEASE, pod_labels, pod_spec, render, render_error, selector_matches
+from tests.charts.chart_render import (
+    RELEASE,
+    args_of,
+    containers,
+    pod_labels,
+    pod_spec,
+    render,
+    render_error,
+    selector_matches,
+)
 
 FULLNAME = f"{RELEASE}-pagedserve"
 TWO = ("-f", str(Path(__file__).parent / "fixtures" / "two-models-values.yaml"))
-
-
-def args_of(container: dict):
-    return build_parser().parse_args(container["args"])
-
-
-def containers(workload: dict) -> dict[str, dict]:
-    return {c["name"]: c for c in pod_spec(workload)["containers"]}
 
 
 def test_each_model_gets_its_own_replicas_behind_one_router():

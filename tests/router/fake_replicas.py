@@ -21,7 +21,9 @@ SEED = model_hash_seed(MODEL, BLOCK)
 
 def replica_app(name: str, seen: list, headers: list) -> FastAPI:
     app = FastAPI()
-    app.state.mode = "ok"  # "ok" | "500" (an engine outage: 503) | "poison" (the request failed: 500) | "full" | "slow"
+    # "ok" | "500" (an engine outage: 503) | "poison" (the request failed: 500) | "full" | "slow" | "no_lora"
+    # (cannot load the adapter the request names)
+    app.state.mode = "ok"
 
     async def answer(request: Request):
         body = await request.json()
@@ -35,6 +37,9 @@ def replica_app(name: str, seen: list, headers: list) -> FastAPI:
         if app.state.mode == "full":
             return JSONResponse({"error": {"message": "queue is full", "code": "queue_full"}}, status_code=503,
                                 headers={"Retry-After": "1"})
+        if app.state.mode == "no_lora":
+            return JSONResponse({"error": {"message": "cannot load it here", "param": "model",
+                                           "code": "lora_unavailable"}}, status_code=503, headers={"Retry-After": "1"})
         if app.state.mode == "slow":
             await asyncio.sleep(0.5)
         if body.get("stream"):
@@ -117,6 +122,13 @@ class FakeReplicas:
             await sink.write_state(ReplicaState(self.info(name, self.urls.get(name)), self.loads[name]), ttl=60)
 
         self._run(write)
+
+    def remove(self, name: str) -> None:
+        """The replica leaves the registry (stopped, or its record expired)."""
+        async def drop(sink):
+            await sink.remove_replica(name)
+
+        self._run(drop)
 
     def who(self) -> dict[str, int]:
         return {n: len(v) for n, v in self.seen.items()}

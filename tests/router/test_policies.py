@@ -80,10 +80,13 @@ def adapter_request(request_seconds: float, matched_blocks: int = 25) -> RouteRe
 
 def test_an_adapters_measured_load_cost_is_weighed_against_load():
     policy = PrefixPolicy()
-    # Nothing measured yet: load decides, residency breaks ties.
+    # Nothing measured yet (no request time, or no load time anywhere): resident replicas first, however
+    # busy, and the others by load behind them.
     assert ids(policy.rank([adapter_state("a", False), adapter_state("b", True)], adapter_request(0)))[0] == "b"
-    assert ids(policy.rank([adapter_state("a", False), adapter_state("b", True, running=1)],
-                           adapter_request(0)))[0] == "a"
+    unmeasured = [adapter_state("a", False, running=2), adapter_state("b", True, running=30),
+                  adapter_state("c", False)]
+    assert ids(policy.rank(unmeasured, adapter_request(0))) == ["b", "c", "a"]
+    assert ids(policy.rank(unmeasured, adapter_request(2.0))) == ["b", "c", "a"]
     # A fast load (50 ms against 2 s requests on 8 slots: 0.2 requests' worth) beats a resident copy with 3
     # requests ahead; a slow one (2 s: 8 requests' worth) does not.
     busy_resident = adapter_state("b", True, running=3)

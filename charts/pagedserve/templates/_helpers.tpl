@@ -76,7 +76,7 @@ pagedserve.dev/model: {{ . }}
 
 {{/*
 Several base models (`models:`): each entry renders the replica templates with a context of its own,
-whose Values are the release's with that model's source, replicas, GPUs, resources and autoscaler laid
+whose Values are the release's with that model's source, replicas, GPUs, resources, LoRA and autoscaler laid
 over them, and whose modelKey names its objects and labels its pods. Without a list: the release's own
 context, so a single-model release renders exactly as before. Called with (dict "root" $ "template" NAME).
 */}}
@@ -99,6 +99,17 @@ context, so a single-model release renders exactly as before. Called with (dict 
 {{- if hasKey $m "resources" }}{{ $_ := set $r.engine "resources" $m.resources }}{{ end }}
 {{- if hasKey $m "kvCacheMemory" }}{{ $_ := set $r.engine "kvCacheMemory" $m.kvCacheMemory }}{{ end }}
 {{- if hasKey $m "numKvBlocks" }}{{ $_ := set $r.engine "numKvBlocks" $m.numKvBlocks }}{{ end }}
+{{- with $m.lora }}
+{{- /* Key by key, not mergeOverwrite: that would skip the entry's false and empty values (enabled: false). */}}
+{{- range $k, $val := . }}
+{{- $was := get $v.lora $k }}
+{{- if and (kindIs "map" $val) (kindIs "map" $was) }}
+{{- $_ := set $v.lora $k (merge (deepCopy $val) $was) }}
+{{- else }}
+{{- $_ := set $v.lora $k $val }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- with $m.autoscaling }}
 {{- $kind := default "none" .kind }}
 {{- $_ := set $v.autoscaling "enabled" (eq $kind "hpa") }}

@@ -13,6 +13,8 @@ replica.engine.gpus ranks of the group on another node. Called with (dict "root"
 {{- $gpus := int $r.engine.gpus }}
 {{- $grace := int (include "pagedserve.replicaGracePeriod" $root) }}
 {{- $converting := include "pagedserve.converting" $root -}}
+{{- $loraInit := include "pagedserve.loraInitContainer" $root -}}
+{{- include "pagedserve.loraValidate" $root -}}
 metadata:
   labels:
     {{- include "pagedserve.selectorLabels" (dict "ctx" $root "component" $component) | nindent 4 }}
@@ -80,8 +82,10 @@ spec:
         matchLabels:
           {{- include "pagedserve.selectorLabels" (dict "ctx" $root "component" $component) | nindent 10 }}
     {{- end }}
-  {{- if $converting }}
+  {{- if or $converting $loraInit }}
   initContainers:
+  {{- end }}
+  {{- if $converting }}
     {{- $convertResources := deepCopy (default (dict) $root.Values.model.convert.resources) }}
     {{- if not $convertResources }}
     {{- /* The engine's own resources (the dequantized model is about as large), without the GPU. */}}
@@ -90,6 +94,9 @@ spec:
     {{- include "pagedserve.convertContainer" (dict "ctx" $root "output" "model" "tokenizerOnly" false
           "resources" $convertResources
           "securityContext" (mergeOverwrite (deepCopy $root.Values.containerSecurityContext) (default (dict) $r.engine.securityContext))) | nindent 4 }}
+  {{- end }}
+  {{- with $loraInit }}
+    {{- . | nindent 4 }}
   {{- end }}
   containers:
     {{- include "pagedserve.engineContainer" (dict "root" $root "role" .role) | nindent 4 }}
@@ -119,6 +126,9 @@ spec:
         - --drain-timeout={{ $r.drainTimeoutSeconds }}
         # Only callers presenting it (the routers) are served; it signs the registry records.
         - --internal-token-file={{ include "pagedserve.internalTokenDir" $root }}/internal-token
+        {{- with include "pagedserve.loraSchedulerArgs" $root }}
+        {{- . | nindent 8 }}
+        {{- end }}
         - --log-level={{ $root.Values.logLevel }}
         {{- range $r.scheduler.extraArgs }}
         - {{ . | quote }}
@@ -140,6 +150,9 @@ spec:
               fieldPath: status.podIP
         - name: PAGEDSERVE_ADVERTISE_URL
           value: "http://$(POD_IP):{{ $schedulerPort }}"
+        {{- with include "pagedserve.loraSchedulerEnv" $root }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with $r.scheduler.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -179,6 +192,9 @@ spec:
         {{- . | nindent 8 }}
         {{- end }}
         {{- include "pagedserve.internalTokenMount" $root | nindent 8 }}
+        {{- with include "pagedserve.loraMount" $root }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with $r.scheduler.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -199,6 +215,9 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ . }}
+    {{- end }}
+    {{- with include "pagedserve.loraVolume" $root }}
+    {{- . | nindent 4 }}
     {{- end }}
     {{- with $r.extraVolumes }}
     {{- toYaml . | nindent 4 }}
@@ -320,6 +339,9 @@ worker pod, the ranks of that node (`pagedserve engine-worker`). Both get the sa
     - name: dshm
       mountPath: /dev/shm
     {{- end }}
+    {{- with include "pagedserve.loraMount" $root }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with $r.engine.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -362,6 +384,9 @@ The engine flags every rank of a replica gets (rank 0's `engine` and the workers
 # Rank 0's rendezvous on the group's leader pod (LWS_LEADER_ADDRESS: set by the LeaderWorkerSet controller).
 - --tp-rendezvous=tcp://$(LWS_LEADER_ADDRESS):{{ int $r.multiNode.rendezvousPort }}
 {{- end }}
+{{- end }}
+{{- with include "pagedserve.loraEngineArgs" . }}
+{{ . }}
 {{- end }}
 - --log-level={{ .Values.logLevel }}
 {{- range $r.engine.extraArgs }}
