@@ -116,19 +116,6 @@ def test_bad_lora_fields_are_refused_naming_the_sequence(tiny_model_dir, adapter
     assert llm.runner.execute(step(0, [(0, digest)])).sampled["s1"]
 
 
-def test_tensor_parallelism_refuses_lora_clearly():
-    from services.engine.config import EngineConfig
-    from services.engine.model_runner import ModelRunner
-
-    class FakeGroup:  # only what the refusal reads before any collective
-        pass
-
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.config, runner.group = EngineConfig(max_loras=1), FakeGroup()
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        runner._lora_slots()
-
-
 @pytest.mark.slow
 def test_smollm2_mixed_batch_matches_peft(tmp_path):
     """The bundled SmolLM2-135M (float32) with two rank-8 adapters on every projection: base, A and B requests
