@@ -117,15 +117,18 @@ def test_bad_lora_fields_are_refused_naming_the_sequence(tiny_model_dir, adapter
 
 
 @pytest.mark.slow
-def test_smollm2_mixed_batch_matches_peft(tmp_path):
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_mixed_batch_matches_peft(tmp_path, tp):
     """The bundled SmolLM2-135M (float32) with two rank-8 adapters on every projection: base, A and B requests
-    batched together with chunked prefill, a shared prefix and preemption match PEFT + transformers."""
+    batched together with chunked prefill, a shared prefix and preemption match PEFT + transformers, on one
+    rank and on three (3 query heads and 1 KV head each, adapters sliced the same way)."""
     from services.model_source import resolve_model
 
     model_dir = resolve_model(None)
     adapters = {"A": save_random_adapter(model_dir, tmp_path / "A", seed=11),
                 "B": save_random_adapter(model_dir, tmp_path / "B", seed=12)}
-    llm = LLM(dtype="float32", num_kv_blocks=14, max_num_batched_tokens=64, max_loras=2, max_lora_rank=8)
+    llm = LLM(dtype="float32", num_kv_blocks=14, max_num_batched_tokens=64, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=tp)
     for name, path in adapters.items():
         llm.load_lora(name, str(path))
     tok = llm.tokenizer
@@ -136,6 +139,7 @@ def test_smollm2_mixed_batch_matches_peft(tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False,
                         lora_request=names)
     stats = (llm.core.scheduler.num_preemptions, llm.core.kv.prefix_hits)
+    llm.close()
     assert stats[0] > 0 and stats[1] > 0, f"preemptions, prefix-hit tokens: {stats}"
     reference = peft_model(model_dir, adapters)
     for p, name, o in zip(prompts, names, outs, strict=True):
