@@ -8,7 +8,8 @@ model shaped like SmolLM2: 9 heads over 3 KV heads, one KV head per rank): adapt
 reach every rank, and a mixed greedy batch of base, A and B requests with chunked prefill, prefix hits
 and preemption is token-identical to one rank and to PEFT + transformers; an adapter loaded after
 those requests serves its own; an unloaded one is refused; with one slot and one adapter in host
-memory, every switch re-reads an adapter on rank 0 and sends it to every rank, still token-identical."""
+memory, every switch re-reads an adapter on rank 0 and sends it to every rank, still token-identical;
+a bad adapter or a bad step is refused on rank 0 and the group serves on."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from services.engine.lora.commands import LoraCommand, decode, encode
 from services.engine.lora.slots import LoraSlots
 from services.engine.lora.weights import load_weights, module_dims
 from services.engine.tp_shard import TensorParallelShard
-from services.lora_files import TARGET_MODULES, AdapterFiles, TensorInfo, tensor_key
+from services.lora_files import TARGET_MODULES, AdapterError, AdapterFiles, TensorInfo, tensor_key
+from services.step_protocol import InvalidStepError, SamplingSpec, ScheduledSequence, SchedulerOutput
 from tests.engine.conftest import make_tiny_model
 from tests.engine.lora_adapters import peft_greedy, peft_model, save_random_adapter
 from tests.engine.test_lora import GREEDY, _prompts
@@ -166,15 +168,24 @@ def test_mixed_batch_at_three_ranks_equals_one_rank_and_peft(model_dir, adapters
     assert len({tuple(t) for t in three[:3]}) == 3, "the adapters must change the output"
 
 
-def test_one_slot_switching_adapters_at_three_ranks(model_dir, adapters, reference):
+def test_one_slot_switching_adapters_at_three_ranks(model_dir, adapters, reference, tiny_model_dir, tmp_path):
     """One slot and one adapter kept in host memory: each switch reads the adapter's files again on rank
-    0 and sends them to the other ranks; their slots must follow rank 0's exactly."""
+    0 and sends them to the other ranks; their slots must follow rank 0's exactly. An adapter of another
+    model's shapes and a step naming a bad slot are refused on rank 0 before any rank changes: the group
+    serves on."""
     prompts = _prompts(4)
     names = ["A", "B", "A", "B"]
+    other = save_random_adapter(tiny_model_dir, tmp_path / "other", seed=5)
     with LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_loras=1, max_cpu_loras=1,
              max_lora_rank=8, tensor_parallel_size=3) as llm:
         for name in ("A", "B"):
             llm.load_lora(name, str(adapters[name]))
+        with pytest.raises(AdapterError, match="does not fit the model"):
+            llm.load_lora("other", str(other))
+        seq = ScheduledSequence("s1", [5, 6, 7], 0, [0], True, SamplingSpec(), lora_slot=0)
+        with pytest.raises(InvalidStepError) as e:
+            llm.runner.execute(SchedulerOutput(1, [seq], lora_slots=[(0, "f" * 64)]))
+        assert e.value.faults[0].field == "lora_slot"
         outs = [llm.generate([p], GREEDY, use_tqdm=False, lora_request=n)[0]
                 for p, n in zip(prompts, names, strict=True)]
         assert llm.runner.lora.slots.max_cpu_loras == 1 and len(llm.runner.lora.slots.host) == 1
