@@ -27,7 +27,7 @@ def write_random_adapter(out: Path, llm, seed: int, rank: int = RANK) -> Path:
     from services.engine.lora.weights import module_dims
 
     m = llm.runner.model
-    dims = module_dims(m.config)  # the whole model's shapes, as a PEFT adapter has them
+    dims = module_dims(m.config, m.num_heads, m.num_kv_heads)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(m.config.num_layers):

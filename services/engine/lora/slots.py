@@ -35,7 +35,8 @@ class LoraSlots:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        dims = module_dims(config, shard)
+        dims = (module_dims(config) if shard is None
+                else module_dims(config, shard.num_heads, shard.num_kv_heads, shard.intermediate))
         # Where each part of a fused projection sits in its output: (offset, size) per PEFT module.
         self.parts: dict[str, list[tuple[int, int]]] = {}
         for group, modules in GROUPS.items():

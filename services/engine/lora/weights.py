@@ -34,12 +34,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
 ROW_PARALLEL = ("o_proj", "down_proj")  # input split across ranks; every other module's output is
 
 
-def module_dims(config, shard: TensorParallelShard | None = None) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every PEFT target module of one layer, as this rank holds it
-    (the whole model without `shard`)."""
+def module_dims(config, num_heads: int | None = None, num_kv_heads: int | None = None,
+                intermediate: int | None = None) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every PEFT target module of one layer of `config`, with `num_heads`
+    query heads, `num_kv_heads` KV heads and `intermediate` MLP rows (a rank's; default: the whole model's)."""
     hidden, hd = config.hidden_size, config.head_dim
-    heads, kv_heads, inter = ((config.num_heads, config.num_kv_heads, config.intermediate_size) if shard is None
-                              else (shard.num_heads, shard.num_kv_heads, shard.intermediate))
+    heads = config.num_heads if num_heads is None else num_heads
+    kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    inter = config.intermediate_size if intermediate is None else intermediate
     q, kv = heads * hd, kv_heads * hd
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
