@@ -27,18 +27,17 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from services.engine.kernel_warmup import warm_up
 from services.engine.load_memory import RankMemory, memory_in_use
+from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch
-from services.engine.lora.slots import LoraSlots
-from services.engine.lora.weights import LoraWeights, load_weights
 from services.engine.model_loader import load_llama, random_llama, read_config
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
 from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
-from services.lora_files import AdapterError, read_adapter
+from services.lora_files import AdapterError
 from services.model_source import model_id_of, resolve_model
-from services.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput, StepFault
+from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +146,6 @@ class ModelRunner:
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
-        self.lora = self._lora_slots() if config.max_loras else None
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
                                                   cfg.vocab_size), self.device)
         if self.device.type == "cuda" and backend == "triton":
@@ -158,6 +156,9 @@ class ModelRunner:
         if group is not None and group.rank == 0:
             self.sender = StepSender(group, heartbeat_s=min(5.0, group.timeout_s / 4))
             self.sender.start_heartbeat()
+        # Every rank holds its slice of each adapter; rank 0 sends the others every change it makes.
+        self.lora = LoraAdapters(config, cfg, self.model.shard, self.dtype, self.device,
+                                 self._send_lora if self.sender is not None else None) if config.max_loras else None
         self.info = EngineInfo(
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
@@ -175,64 +176,27 @@ class ModelRunner:
         for m in self.memory:
             log.info("memory: %s", m.describe())
 
-    def _lora_slots(self) -> LoraSlots:
-        c = self.config
-        if self.group is not None:
-            raise ValueError("LoRA adapters (--max-loras) are not supported with tensor parallelism yet: serve "
-                             "adapters with --tensor-parallel-size 1")
-        m = self.model
-        return LoraSlots(m.config, m.num_heads, m.num_kv_heads, c.max_loras, c.max_lora_rank, self.dtype, self.device,
-                         c.max_cpu_loras or max(c.max_loras, 8), self._read_lora)
-
-    def _read_lora(self, digest: str | None, path: str) -> LoraWeights:
-        """The adapter in directory `path`, checked; `digest`: what it must still be (a reload)."""
-        files = read_adapter(path, path, self.config.max_lora_rank)
-        if digest is not None and files.digest != digest:
-            raise AdapterError("lora_path", f"the files of adapter {digest[:12]} changed since it was loaded: load "
-                               f"it again (a new digest)")
-        m = self.model
-        return load_weights(files, m.config, m.num_heads, m.num_kv_heads, self.dtype)
+    def _send_lora(self, commands: bytes) -> None:
+        with self.group.exclusive("LoRA adapters"):
+            self.sender.send_lora(commands)
 
     def load_lora(self, path: str) -> dict:
-        """Read, check and keep the adapter in directory `path` (trusted: the scheduler checked where it is);
-        returns {"digest", "rank"}. Raises AdapterError naming what is wrong."""
+        """Read, check and keep the adapter in directory `path` (trusted: the scheduler checked where it is),
+        on every rank; returns {"digest", "rank"}. Raises AdapterError naming what is wrong."""
         if self.lora is None:
             raise AdapterError("lora", "this engine serves no LoRA adapters: start it with --max-loras")
-        weights = self._read_lora(None, path)
-        self.lora.add(weights, path)
-        log.info("LoRA adapter %s loaded from %s: rank %d, %.1f MiB", weights.digest[:12], path, weights.rank,
-                 weights.nbytes / 2**20)
-        return {"digest": weights.digest, "rank": weights.rank}
+        return self.lora.load(path)
 
     def unload_lora(self, digest: str) -> None:
         if self.lora is not None:
-            self.lora.remove(digest)
+            self.lora.unload(digest)
 
     def _activate_loras(self, out: SchedulerOutput) -> None:
         """Check the step's LoRA fields and copy into its slots the adapters they must hold."""
-        faults, slots = [], {}
-        n = self.lora.max_loras if self.lora is not None else 0
-        for pair in out.lora_slots:
-            ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and type(pair[0]) is int and 0 <= pair[0] < n
-                  and isinstance(pair[1], str) and pair[0] not in slots)
-            if not ok:
-                faults.append(StepFault(None, "lora_slots", f"{pair!r} is not a (slot < {n}, digest) pair"))
-            elif not self.lora.knows(pair[1]):
-                slots[pair[0]] = None
-            else:
-                slots[pair[0]] = pair[1]
-        for s in out.sequences:
-            slot = s.lora_slot
-            if type(slot) is not int or not -1 <= slot < n:
-                faults.append(StepFault(s.seq_id, "lora_slot", f"{slot!r} is not -1 or a slot below {n}"))
-            elif slot >= 0 and slot not in slots:
-                faults.append(StepFault(s.seq_id, "lora_slot", f"slot {slot} is not named in lora_slots"))
-            elif slot >= 0 and slots[slot] is None:
-                faults.append(StepFault(s.seq_id, "lora_slot", f"slot {slot}'s adapter is not loaded here"))
-        if faults:
-            raise InvalidStepError.from_faults(faults)
-        for slot, digest in slots.items():
-            self.lora.activate(slot, digest)
+        if self.lora is None:
+            check_step_slots(out, 0, lambda digest: False)
+        else:
+            self.lora.activate(out)
 
     def _check_group_geometry(self, hf_cfg: dict) -> list[RankMemory]:
         """Every rank must agree on the pool, the model and what its collectives depend on (the
@@ -242,7 +206,9 @@ class ModelRunner:
         agree = {"KV blocks": self.num_kv_blocks, "max model length": self.max_model_len,
                  "vocabulary": cfg.vocab_size, "block size": self.block_size, "dtype": _code(self.config.dtype),
                  "attention backend": _code(self.model.attn.name), "enforce eager": int(self.config.enforce_eager),
-                 "max num seqs": self.config.max_num_seqs, "model config": _code(json.dumps(hf_cfg, sort_keys=True))}
+                 "max num seqs": self.config.max_num_seqs, "LoRA slots": self.config.max_loras,
+                 "max LoRA rank": self.config.max_lora_rank if self.config.max_loras else 0,
+                 "model config": _code(json.dumps(hf_cfg, sort_keys=True))}
         mine = self.memory[0]
         rows = self.group.all_gather_ints([*agree.values(), mine.weight_bytes, mine.kv_cache_bytes, mine.start_bytes])
         n = len(agree)
@@ -307,7 +273,7 @@ class ModelRunner:
                 self._copy_blocks(t.copy_src, t.copy_dst)
             if not step.num_tokens:
                 return None
-            lora = LoraBatch.of(self.lora, step.lora_segments, self.device) if step.lora_segments else None
+            lora = LoraBatch.of(self.lora.slots, step.lora_segments, self.device) if step.lora_segments else None
             logits, hidden = self.model.forward(t.input_ids, t.positions, self._metadata(step, t), self.kv_caches,
                                                 t.sample_idx, lora)
         if self.group is not None and step.num_sampled:

@@ -1,11 +1,14 @@
-"""Rank 0 tells the other ranks what to run: each step's validated host-side inputs, reset, heartbeat,
-shutdown.
+"""Rank 0 tells the other ranks what to run: each step's validated host-side inputs, LoRA adapter
+changes, reset, heartbeat, shutdown.
 
 Rank 0 alone speaks the step protocol: it validates the `SchedulerOutput` and lays it out as one
 host buffer (services/engine/step_inputs.py), then broadcasts that buffer, so the other ranks never
 parse, validate or trust scheduler input and run exactly rank 0's layout. A message is a fixed-size
 gloo broadcast: a header of int64 fields (what the layout needs to be rebuilt) with the buffer inline
-when it fits (every decode step of a normal batch), else a second broadcast carries it.
+when it fits (every decode step of a normal batch), else a second broadcast carries it. A step with
+LoRA tokens carries its (slot, first token, end token) segments after the buffer; a LORA message
+carries encoded adapter commands (services/engine/lora/commands.py), sent before the step that needs
+them.
 
 While idle, rank 0 sends a heartbeat every `heartbeat_s`, so the other ranks can give every receive
 a timeout: a rank 0 that died or hangs is noticed by them within `RankGroup.timeout_s`, and a rank
@@ -30,11 +33,12 @@ class Op(enum.IntEnum):
     RESET = 2
     HEARTBEAT = 3
     SHUTDOWN = 4
+    LORA = 5
 
 
 _FIELDS = ("op", "seq", "nbytes", "num_tokens", "num_samples", "num_decode", "decode_width", "num_prefill",
            "prefill_width", "num_copies", "decode_max_context_len", "prefill_max_query_len",
-           "prefill_max_context_len", "graph_batch", "num_real_decodes")
+           "prefill_max_context_len", "graph_batch", "num_real_decodes", "num_lora_segments")
 _HEADER_BYTES = 8 * 16
 INLINE_BYTES = 16384  # a decode step of 64 sequences with 4k-token contexts needs ~6 KiB
 MESSAGE_BYTES = _HEADER_BYTES + INLINE_BYTES
@@ -56,7 +60,7 @@ def _header_of(step: StepInputs) -> dict[str, int]:
             "prefill_max_query_len": step.prefill_max_query_len,
             "prefill_max_context_len": step.prefill_max_context_len,
             "graph_batch": -1 if step.graph_batch is None else step.graph_batch,
-            "num_real_decodes": step.num_real_decodes}
+            "num_real_decodes": step.num_real_decodes, "num_lora_segments": len(step.lora_segments)}
 
 
 class StepSender:
@@ -87,7 +91,14 @@ class StepSender:
         self.last_sent = time.monotonic()
 
     def send_step(self, step: StepInputs) -> None:
-        self._send(Op.STEP, _header_of(step), step.host)
+        payload = step.host
+        if step.lora_segments:
+            segments = torch.tensor(step.lora_segments, dtype=torch.int64).view(torch.uint8).view(-1)
+            payload = torch.cat([payload, segments])
+        self._send(Op.STEP, _header_of(step), payload)
+
+    def send_lora(self, commands: bytes) -> None:
+        self._send(Op.LORA, {"nbytes": len(commands)}, torch.frombuffer(bytearray(commands), dtype=torch.uint8))
 
     def send(self, op: Op) -> None:
         self._send(op)
@@ -141,23 +152,32 @@ class StepReceiver:
         self._fields = self._message[:_HEADER_BYTES].view(torch.int64)
         self._seq = 0
 
-    def next(self) -> tuple[Op, StepInputs | None]:
+    def _payload(self, nbytes: int, pin: bool) -> torch.Tensor:
+        # A fresh buffer per message: on CUDA the previous step's copy to the device may still read its own.
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        if nbytes <= INLINE_BYTES:
+            buf.copy_(self._message[_HEADER_BYTES:_HEADER_BYTES + nbytes])
+        else:
+            self.group.broadcast(buf)
+        return buf
+
+    def next(self) -> tuple[Op, StepInputs | bytes | None]:
+        """(op, what it carries: the step of a STEP, the encoded commands of a LORA, else None)."""
         self.group.broadcast(self._message)
         h = dict(zip(_FIELDS, self._fields.tolist(), strict=False))
         self._seq += 1
         assert h["seq"] == self._seq, f"tensor-parallel message {h['seq']} arrived, {self._seq} expected"
         op = Op(h["op"])
+        if op is Op.LORA:
+            return op, self._payload(h["nbytes"], False).numpy().tobytes()
         if op is not Op.STEP:
             return op, None
         layout = _layout_of(h)
         nbytes = h["nbytes"]
         assert layout.nbytes == nbytes, f"step layout of {layout.nbytes} bytes announced as {nbytes}"
-        # A fresh buffer per step: on CUDA the previous step's copy to the device may still read its own.
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        if nbytes <= INLINE_BYTES:
-            host.copy_(self._message[_HEADER_BYTES:_HEADER_BYTES + nbytes])
-        else:
-            self.group.broadcast(host)
+        buf = self._payload(nbytes + 24 * h["num_lora_segments"], self.pin)
+        host = buf[:nbytes]
+        segments = [tuple(s) for s in buf[nbytes:].view(torch.int64).view(-1, 3).tolist()]
         views = layout.host_views(host.numpy())
         spans: list[tuple[int, int, int]] = []
         if h["num_prefill"]:
@@ -167,5 +187,6 @@ class StepReceiver:
         graph = None if h["graph_batch"] < 0 else h["graph_batch"]
         return op, StepInputs(layout, host, h["num_tokens"], h["num_decode"], h["decode_max_context_len"],
                               h["prefill_max_query_len"], h["prefill_max_context_len"], spans, [], [],
-                              num_copies=h["num_copies"], graph_batch=graph, num_real_decodes=h["num_real_decodes"])
+                              num_copies=h["num_copies"], graph_batch=graph, num_real_decodes=h["num_real_decodes"],
+                              lora_segments=segments)
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def serve_steps(runner: ModelRunner) -> None:
-    """Run what rank 0 sends until it sends SHUTDOWN."""
+    """Run what rank 0 sends until it sends SHUTDOWN (a LORA message carries adapter commands, not a step)."""
     group = runner.group
     receiver = StepReceiver(group, pin=runner.device.type == "cuda")
     served = 0
@@ -37,6 +37,8 @@ def serve_steps(runner: ModelRunner) -> None:
                     runner.run_step(step)
                     group.wait_device(f"step {served + 1}")
                     served += 1
+                elif op is Op.LORA:
+                    runner.lora.receive(step)
                 elif op is Op.RESET:
                     runner.reset()
                 elif op is Op.SHUTDOWN:

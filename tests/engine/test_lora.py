@@ -116,29 +116,38 @@ def test_bad_lora_fields_are_refused_naming_the_sequence(tiny_model_dir, adapter
     assert llm.runner.execute(step(0, [(0, digest)])).sampled["s1"]
 
 
-def test_tensor_parallelism_refuses_lora_clearly():
-    from services.engine.config import EngineConfig
-    from services.engine.model_runner import ModelRunner
-
-    class FakeGroup:  # only what the refusal reads before any collective
-        pass
-
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.config, runner.group = EngineConfig(max_loras=1), FakeGroup()
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        runner._lora_slots()
-
-
-@pytest.mark.slow
-def test_smollm2_mixed_batch_matches_peft(tmp_path):
-    """The bundled SmolLM2-135M (float32) with two rank-8 adapters on every projection: base, A and B requests
-    batched together with chunked prefill, a shared prefix and preemption match PEFT + transformers."""
+@pytest.fixture(scope="module")
+def smollm2_adapters(tmp_path_factory):
+    """Two rank-8 adapters on every projection of the bundled SmolLM2, and PEFT's greedy tokens for each
+    (prompt, adapter), computed once for every tensor-parallel size."""
     from services.model_source import resolve_model
 
     model_dir = resolve_model(None)
-    adapters = {"A": save_random_adapter(model_dir, tmp_path / "A", seed=11),
-                "B": save_random_adapter(model_dir, tmp_path / "B", seed=12)}
-    llm = LLM(dtype="float32", num_kv_blocks=14, max_num_batched_tokens=64, max_loras=2, max_lora_rank=8)
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    adapters = {"A": save_random_adapter(model_dir, root / "A", seed=11),
+                "B": save_random_adapter(model_dir, root / "B", seed=12)}
+    reference, expected = [], {}
+
+    def want(name, prompt):
+        if not reference:
+            reference.append(peft_model(model_dir, adapters))
+        key = (name, tuple(prompt))
+        if key not in expected:
+            expected[key] = peft_greedy(reference[0], name, prompt, 16)
+        return expected[key]
+
+    return adapters, want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_mixed_batch_matches_peft(smollm2_adapters, tp):
+    """The bundled SmolLM2-135M (float32) with two rank-8 adapters on every projection: base, A and B requests
+    batched together with chunked prefill, a shared prefix and preemption match PEFT + transformers, on one
+    rank and on three (3 query heads and 1 KV head each, adapters sliced the same way)."""
+    adapters, want = smollm2_adapters
+    llm = LLM(dtype="float32", num_kv_blocks=14, max_num_batched_tokens=64, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=tp)
     for name, path in adapters.items():
         llm.load_lora(name, str(path))
     tok = llm.tokenizer
@@ -149,8 +158,8 @@ def test_smollm2_mixed_batch_matches_peft(tmp_path):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False,
                         lora_request=names)
     stats = (llm.core.scheduler.num_preemptions, llm.core.kv.prefix_hits)
+    llm.close()
     assert stats[0] > 0 and stats[1] > 0, f"preemptions, prefix-hit tokens: {stats}"
-    reference = peft_model(model_dir, adapters)
     for p, name, o in zip(prompts, names, outs, strict=True):
-        assert o.outputs[0].token_ids == peft_greedy(reference, name, p, 16), f"adapter {name} diverged"
+        assert o.outputs[0].token_ids == want(name, p), f"adapter {name} diverged"
     assert outs[0].outputs[0].token_ids != outs[3].outputs[0].token_ids != outs[6].outputs[0].token_ids

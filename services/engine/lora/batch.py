@@ -4,7 +4,19 @@ each projection, as PEFT computes it (`base(x) + B(A(x)) * scaling`).
 
 Base-model tokens belong to no group and cost nothing; with no adapter in the step there is no
 LoraBatch at all. The grouping is known on the host when the step is built (each sequence has one
-slot), so the forward reads no device value back. Torch GEMMs, on any device."""
+slot), so the forward reads no device value back. Torch GEMMs, on any device.
+
+Under tensor parallelism each rank applies its slices (services/engine/lora/weights.py) to its part of
+the projection. Column-parallel (qkv, gate_up): the whole A, so every rank shrinks the whole input, and
+B's rows for this rank's output columns: its delta is exactly its columns of the whole delta. Row-
+parallel (o, down): the base output is a partial sum that the all-reduce after it completes, and the
+delta joins it: this rank's columns of A shrink its part of the input, the whole B expands that partial
+shrink, and the all-reduce sums the ranks' deltas with their base outputs. Since the expand is linear,
+the sum over ranks of (x_r A_r^T) B^T is (x A^T) B^T, the whole delta: exact (only the order of the
+float additions differs, as for the base output's own partial sums), and no collective of its own. This
+is vLLM's RowParallelLinearWithLoRA; its fully sharded variant all-reduces the shrink output instead, to
+shard B too, at one more collective per projection: B (hidden x r) is small next to the base weight at
+the adapter ranks served here, so that collective would buy little."""
 
 from __future__ import annotations
 

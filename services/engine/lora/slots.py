@@ -7,31 +7,36 @@ adapters are resident. The scheduler decides which adapter sits in which slot (i
 constraint); a step names its slots' adapters and `activate` copies in the ones not already there.
 
 Loaded adapters live in host memory, least recently used first out beyond `max_cpu_loras`; one that
-was pushed out is read again from its files when a step needs it, and refused if they changed (its
-digest is its identity: new bytes are a new adapter, to be loaded as such)."""
+was pushed out must be added again before a slot can take it (services/engine/lora/adapters.py reads
+it again from its files, and refuses it if they changed: its digest is its identity). Under tensor
+parallelism every rank holds its own slice in slots of its own shapes, and the same operations in the
+same order keep every rank's slots and LRU identical."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.lora.weights import GROUPS, LoraWeights, module_dims
 
+if TYPE_CHECKING:
+    from services.engine.tp_shard import TensorParallelShard
+
 log = logging.getLogger(__name__)
 
 
 class LoraSlots:
-    def __init__(self, config, num_heads: int, num_kv_heads: int, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, max_cpu_loras: int,
-                 reload: Callable[[str, str], LoraWeights]):
+    def __init__(self, config, shard: TensorParallelShard | None, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, max_cpu_loras: int):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        dims = module_dims(config, num_heads, num_kv_heads)
+        dims = (module_dims(config) if shard is None
+                else module_dims(config, shard.num_heads, shard.num_kv_heads, shard.intermediate))
         # Where each part of a fused projection sits in its output: (offset, size) per PEFT module.
         self.parts: dict[str, list[tuple[int, int]]] = {}
         for group, modules in GROUPS.items():
@@ -52,7 +57,6 @@ class LoraSlots:
         self.resident: list[str | None] = [None] * max_loras
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()
         self.paths: dict[str, str] = {}  # digest -> directory, to read it again after the LRU dropped it
-        self._reload = reload
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +74,10 @@ class LoraSlots:
     def knows(self, digest: str) -> bool:
         return digest in self.paths
 
+    def holds(self, digest: str) -> bool:
+        """In host memory now (not pushed out by the LRU)."""
+        return digest in self.host
+
     def _remember(self, weights: LoraWeights) -> None:
         self.host[weights.digest] = weights
         self.host.move_to_end(weights.digest)
@@ -78,12 +86,11 @@ class LoraSlots:
             log.info("LoRA adapter %s left host memory (LRU, --max-cpu-loras %d)", dropped[:12], self.max_cpu_loras)
 
     def activate(self, slot: int, digest: str) -> None:
-        """Make `slot` hold adapter `digest` (a copy only when it holds another one)."""
+        """Make `slot` hold adapter `digest`, which must be in host memory (a copy only when the slot
+        holds another one)."""
         if self.resident[slot] == digest:
             return
-        weights = self.host.get(digest)
-        if weights is None:
-            weights = self._reload(digest, self.paths[digest])
+        weights = self.host[digest]
         self._remember(weights)
         r, rmax = weights.rank, self.max_rank
         for layer, mods in enumerate(weights.layers):
