@@ -82,6 +82,7 @@ def run(args, counts: list[int]) -> dict:
             llm.core.pool.reset_cache()  # no run reuses another's prefixes
             names = [None if k == 0 else f"lora{i % k}" for i in range(len(requests))]
             runs[k].append(_timed(llm, requests, names))
+            print(f"  {k} adapter(s), pass {len(runs[k])}: {runs[k][-1]['tokens_per_s']:.1f} output tok/s", flush=True)
         results = [{"adapters": k, "output_tokens": rs[0]["output_tokens"],
                     "seconds": sum(r["seconds"] for r in rs) / len(rs),
                     "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),

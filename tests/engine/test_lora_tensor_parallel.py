@@ -56,7 +56,7 @@ def _deltas(config, files: AdapterFiles, shard, xs: dict[str, torch.Tensor]) -> 
     batch = LoraBatch.of(slots, [(0, 0, 3)], torch.device("cpu"))
     out = {}
     for group, x in xs.items():
-        out[group] = torch.zeros(3, slots.b[0][group].shape[1], dtype=torch.float64)
+        out[group] = torch.zeros(3, slots.b[0][group].shape[0], dtype=torch.float64)
         batch.apply(0, group, x, out[group])
     return out
 

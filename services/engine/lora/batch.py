@@ -1,10 +1,16 @@
-"""The LoRA part of one step's forward: its tokens grouped by adapter slot, and per slot a shrink
-(x @ A^T, to the padded rank) then an expand (@ B^T, times the adapter's scale) added to the output of
-each projection, as PEFT computes it (`base(x) + B(A(x)) * scaling`).
+"""The LoRA part of one step's forward: every token's adapter (its slot) and, per projection, a shrink
+(x @ A^T, to the padded rank) then an expand (@ B^T, times the adapter's scale) added to the output, as
+PEFT computes it (`base(x) + B(A(x)) * scaling`).
 
-Base-model tokens belong to no group and cost nothing; with no adapter in the step there is no
-LoraBatch at all. The grouping is known on the host when the step is built (each sequence has one
-slot), so the forward reads no device value back. Torch GEMMs, on any device.
+On the CPU (torch GEMMs) all slots go at once: one GEMM shrinks the span of tokens that holds every
+adapter token against every slot's A, a mask keeps each token's own slot (times its scale; zero for the
+base model's tokens), and one `addmm_` per part of a fused projection expands against every slot's B and
+adds into the output in place. That is a fixed handful of operations per projection whatever the number
+of adapters in the step (a loop over slots cost 4x the operations at 4 adapters, and the expand's
+separate add a second pass over the output). On CUDA the Triton kernel does the same per token
+(kernels/triton_lora.py: a slot index per token, read on the device; set PAGEDSERVE_LORA_KERNEL=triton to
+run it through Triton's interpreter on the CPU). With no adapter in the step there is no LoraBatch at all,
+and the step is built on the host (each sequence has one slot), so the forward reads no device value back.
 
 Under tensor parallelism each rank applies its slices (services/engine/lora/weights.py) to its part of
 the projection. Column-parallel (qkv, gate_up): the whole A, so every rank shrinks the whole input, and
@@ -20,6 +26,7 @@ the adapter ranks served here, so that collective would buy little."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,31 +37,45 @@ from services.engine.lora.slots import LoraSlots
 @dataclass
 class LoraBatch:
     slots: LoraSlots
-    groups: list[tuple[int, torch.Tensor, float]]  # (slot, indices of its tokens in the batch, scale)
+    lo: int  # the step's tokens lo..hi-1 hold every adapter token (base tokens among them add zero)
+    hi: int
+    weight: torch.Tensor  # [hi - lo, slots, 1, 1]: a token's adapter scale at its slot, 0 elsewhere
+    token_slots: torch.Tensor  # int32 [hi - lo]: each token's slot, -1 for the base model (the kernel's)
+    scales: torch.Tensor  # float32 [slots]
+    triton: bool
 
     @classmethod
     def of(cls, slots: LoraSlots, segments: list[tuple[int, int, int]], device: torch.device) -> LoraBatch | None:
         """From the step's (slot, first token, end token) ranges; None when no token uses an adapter."""
-        by_slot: dict[int, list[torch.Tensor]] = {}
-        for slot, start, end in segments:
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(torch.arange(start, end, dtype=torch.int64))
-        if not by_slot:
+        live = [(slot, start, end) for slot, start, end in segments if slot >= 0 and end > start]
+        if not live:
             return None
-        groups = [(slot, torch.cat(r).to(device, non_blocking=True), slots.scales[slot])
-                  for slot, r in sorted(by_slot.items())]
-        return cls(slots, groups)
+        lo, hi = min(start for _, start, _ in live), max(end for _, _, end in live)
+        token_slots = torch.full((hi - lo,), -1, dtype=torch.int32)
+        for slot, start, end in live:
+            token_slots[start - lo:end - lo] = slot
+        scales = torch.tensor(slots.scales, dtype=torch.float32)
+        used = token_slots >= 0
+        weight = torch.zeros(hi - lo, slots.max_loras, dtype=torch.float32)
+        rows = torch.nonzero(used).flatten()
+        weight[rows, token_slots[rows].long()] = scales[token_slots[rows].long()]
+        dtype = slots.a[0][next(iter(slots.a[0]))].dtype
+        triton = device.type == "cuda" or os.environ.get("PAGEDSERVE_LORA_KERNEL") == "triton"
+        return cls(slots, lo, hi, weight.to(dtype)[:, :, None, None].to(device, non_blocking=True),
+                   token_slots.to(device, non_blocking=True), scales.to(device, non_blocking=True), triton)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[t] += B(A(x[t])) * scale for every token t of an adapter (in place)."""
-        a_all, b_all = self.slots.a[layer][group], self.slots.b[layer][group]
+        a_all, b_all = self.slots.a[layer][group], self.slots.b[layer][group]  # [S, P*r, in], [out, S, r]
         parts, r = self.slots.parts[group], self.slots.max_rank
-        for slot, idx, scale in self.groups:
-            xa = x.index_select(0, idx) @ a_all[slot].t()
-            b = b_all[slot]
-            if len(parts) == 1:
-                delta = xa @ b.t()
-            else:
-                delta = torch.cat([xa[:, j * r:(j + 1) * r] @ b[off:off + size].t()
-                                   for j, (off, size) in enumerate(parts)], dim=1)
-            out.index_add_(0, idx, delta * scale)
+        xs, os_ = x[self.lo:self.hi], out[self.lo:self.hi]
+        if self.triton:
+            from kernels.triton_lora import lora_apply
+
+            lora_apply(xs, os_, a_all, b_all.permute(1, 0, 2), self.token_slots, self.scales, parts, r)
+            return
+        n_slots, tokens = a_all.shape[0], xs.shape[0]
+        xa = (xs @ a_all.reshape(-1, a_all.shape[2]).t()).view(tokens, n_slots, len(parts), r) * self.weight
+        expand = b_all.view(b_all.shape[0], n_slots * r)
+        for j, (off, size) in enumerate(parts):
+            os_[:, off:off + size].addmm_(xa[:, :, j].reshape(tokens, n_slots * r), expand[off:off + size].t())

@@ -51,7 +51,9 @@ class LoraSlots:
 
         self.a = [{g: zeros(max_loras, len(mods) * max_rank, dims[mods[0]][0]) for g, mods in GROUPS.items()}
                   for _ in range(config.num_layers)]
-        self.b = [{g: zeros(max_loras, sum(dims[m][1] for m in mods), max_rank) for g, mods in GROUPS.items()}
+        # B is kept outputs-first ([out, slot, rank]): viewed as [out, slots x rank] it expands every slot's
+        # shrink in one GEMM (services/engine/lora/batch.py).
+        self.b = [{g: zeros(sum(dims[m][1] for m in mods), max_loras, max_rank) for g, mods in GROUPS.items()}
                   for _ in range(config.num_layers)]
         self.scales = [0.0] * max_loras
         self.resident: list[str | None] = [None] * max_loras
@@ -95,7 +97,7 @@ class LoraSlots:
         r, rmax = weights.rank, self.max_rank
         for layer, mods in enumerate(weights.layers):
             for group, modules in GROUPS.items():
-                a, b = self.a[layer][group][slot], self.b[layer][group][slot]
+                a, b = self.a[layer][group][slot], self.b[layer][group][:, slot]
                 a.zero_()
                 b.zero_()
                 for j, (m, (off, size)) in enumerate(zip(modules, self.parts[group], strict=True)):
