@@ -12,6 +12,12 @@ block-table width and longest context (`GRAPH_MAX_CONTEXT`, like vLLM's max_seq_
 the decode kernel's split count. Longer contexts, steps with prefills, copy-on-write or several samples
 per sequence run eagerly.
 
+With LoRA slots (`--max-loras`), every graph is captured with the adapters' shrink and expand: each
+bucket holds a static int32 tensor of per-row slots (-1: the base model, and every padding row) that a
+step's slots are copied into before the replay, and the scale mask is computed from it inside the graph
+(services/engine/lora/batch.py `LoraBatch.on_device`). The slot buffers never change shape, so a graph
+stays valid whichever adapters are resident; a base-only step replays the same graph with every slot -1.
+
 `CudaGraphCapture` captures real graphs; `FakeGraphCapture` runs the same code path on the CPU (replay
 re-runs the captured function on the same static buffers and refills the same output tensors), so
 tests cover bucket choice, padding and equality with eager execution without a GPU.
@@ -27,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import AttentionMetadata, PagedAttention
+from services.engine.lora.batch import LoraBatch
+from services.engine.lora.slots import LoraSlots
 from services.engine.step_inputs import StepInputs, padding_step
 
 log = logging.getLogger(__name__)
@@ -97,17 +105,19 @@ class _Bucket:
     size: int
     buffer: torch.Tensor  # static device copy of the step buffer
     graph: CapturedGraph
+    lora_slots: torch.Tensor | None = None  # static int32 [size]: each row's LoRA slot (-1: none)
 
 
 class DecodeGraphs:
     """Captured decode graphs by batch size, and the replay of a padded decode step."""
 
     def __init__(self, model, kv_caches, attention: PagedAttention, device: torch.device, block_size: int,
-                 max_num_seqs: int, max_model_len: int, capture):
+                 max_num_seqs: int, max_model_len: int, capture, lora: LoraSlots | None = None):
         self.block_size = block_size
         self.max_context = min(GRAPH_MAX_CONTEXT, max_model_len)
         self.width = -(-self.max_context // block_size)
         self.sizes = capture_sizes(max_num_seqs)
+        self.lora = lora
         self.buckets: dict[int, _Bucket] = {}
         started = time.monotonic()
         for size in reversed(self.sizes):
@@ -120,16 +130,19 @@ class DecodeGraphs:
                 decode_num_splits=attention.backend.num_splits(size, model.num_kv_heads, self.max_context),
                 prefill_block_tables=None, prefill_query_start_loc=None, prefill_context_lens=None)
 
-            def forward(t=t, meta=meta):
-                return model.forward(t.input_ids, t.positions, meta, kv_caches, t.sample_idx)
+            lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device) if lora is not None else None
 
-            self.buckets[size] = _Bucket(size, buffer, capture.capture(forward))
+            def forward(t=t, meta=meta, lora_slots=lora_slots):
+                batch = LoraBatch.on_device(lora, lora_slots) if lora_slots is not None else None
+                return model.forward(t.input_ids, t.positions, meta, kv_caches, t.sample_idx, batch)
+
+            self.buckets[size] = _Bucket(size, buffer, capture.capture(forward), lora_slots)
         log.info("captured decode graphs for batch sizes %s (contexts up to %d) in %.1f s", self.sizes,
                  self.max_context, time.monotonic() - started)
 
-    def batch_for(self, num_decodes: int, max_context_len: int) -> tuple[int, int] | None:
+    def batch_for(self, num_decodes: int, max_context_len: int, uses_lora: bool = False) -> tuple[int, int] | None:
         """(captured batch size, table width) a decode step pads to, or None to run it eagerly."""
-        if max_context_len > self.max_context or num_decodes > self.sizes[-1]:
+        if max_context_len > self.max_context or num_decodes > self.sizes[-1] or (uses_lora and self.lora is None):
             return None
         size = next(b for b in self.sizes if b >= num_decodes)
         return size, self.width
@@ -138,6 +151,11 @@ class DecodeGraphs:
         bucket = self.buckets[step.graph_batch]
         assert step.host.numel() == bucket.buffer.numel(), "step not built for this graph"
         bucket.buffer.copy_(step.host, non_blocking=True)
+        if bucket.lora_slots is not None:
+            slots = torch.full((bucket.size,), -1, dtype=torch.int32)
+            for slot, start, end in step.lora_segments:
+                slots[start:end] = slot
+            bucket.lora_slots.copy_(slots, non_blocking=True)
         bucket.graph.replay()
         logits, hidden = bucket.graph.outputs
         return logits, hidden

@@ -150,15 +150,18 @@ class ModelRunner:
                                                   cfg.vocab_size), self.device)
         if self.device.type == "cuda" and backend == "triton":
             warm_up(self)  # every kernel variant compiles now, not while serving
+        self.sender = None
+        # Every rank holds its slice of each adapter; rank 0 sends the others every change it makes (its
+        # sender starts below; nothing is sent before the first load). The slots exist before the graphs:
+        # decode graphs read them.
+        self.lora = LoraAdapters(config, cfg, self.model.shard, self.dtype, self.device,
+                                 self._send_lora if group is not None and group.rank == 0 else None
+                                 ) if config.max_loras else None
         # Every rank captures the same graphs in the same order: their collectives pair up.
         self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
-        self.sender = None
         if group is not None and group.rank == 0:
             self.sender = StepSender(group, heartbeat_s=min(5.0, group.timeout_s / 4))
             self.sender.start_heartbeat()
-        # Every rank holds its slice of each adapter; rank 0 sends the others every change it makes.
-        self.lora = LoraAdapters(config, cfg, self.model.shard, self.dtype, self.device,
-                                 self._send_lora if self.sender is not None else None) if config.max_loras else None
         self.info = EngineInfo(
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
@@ -230,7 +233,8 @@ class ModelRunner:
                 return None
             capture = CudaGraphCapture(self.device)
         return DecodeGraphs(self.model, self.kv_caches, attention, self.device, self.block_size,
-                            self.config.max_num_seqs, self.max_model_len, capture)
+                            self.config.max_num_seqs, self.max_model_len, capture,
+                            self.lora.slots if self.lora is not None else None)
 
     def reset(self) -> None:
         if self.sender is not None:

@@ -156,7 +156,7 @@ class StepInputBuilder:
         return host, layout.host_views(host.numpy())
 
     def build(self, out: SchedulerOutput, graph_batch_for=None) -> StepInputs:
-        """`graph_batch_for(num_decodes, max_context_len)`: the captured batch size a decode-only step
+        """`graph_batch_for(num_decodes, max_context_len, uses_lora)`: the captured batch size a decode-only step
         may be padded to (None: run it eagerly)."""
         try:
             return self._build(out, graph_batch_for)
@@ -204,10 +204,10 @@ class StepInputBuilder:
         nd, npf = len(decodes), len(prefills)
         decode_max = max((s.start_pos + 1 for s in decodes), default=0)
         batch = None
-        # Steps with LoRA tokens run eagerly: the graphs are captured for the base model's forward.
+        # Decodes with adapters replay a graph only where the graphs were captured with the LoRA slots.
         if graph_batch_for is not None and not npf and not pairs and nd and all(
-                s.sample and s.num_samples == 1 and s.lora_slot < 0 for s in decodes):
-            batch = graph_batch_for(nd, decode_max)
+                s.sample and s.num_samples == 1 for s in decodes):
+            batch = graph_batch_for(nd, decode_max, any(s.lora_slot >= 0 for s in decodes))
         if batch is not None:
             return self._decode_graph_step(decodes, decode_blocks, batch)
         return self._eager_step(out, decodes, prefills, decode_blocks, prefill_blocks, decode_max)
@@ -342,7 +342,7 @@ class StepInputBuilder:
         v["sample_idx"][:] = np.arange(size)
         _, rows, owners = self._rows(decodes)
         return StepInputs(layout, host, size, size, width * self.limits.block_size, 0, 0, [], rows, owners,
-                          graph_batch=size, num_real_decodes=nd)
+                          graph_batch=size, num_real_decodes=nd, lora_segments=self._lora_segments(decodes))
 
 
 class _Refused(Exception):

@@ -54,7 +54,7 @@ def test_ranks_rebuild_rank_zeros_layout_byte_for_byte():
     g0, g1 = groups(2)
     builder = StepInputBuilder(StepLimits(block_size=16, num_kv_blocks=128, max_model_len=1024, vocab_size=1000), CPU)
     # The last step is a decode batch padded to a graph bucket of 8 (table width 4).
-    built = [builder.build(s) for s in steps()[:-1]] + [builder.build(steps()[-1], lambda n, ctx: (8, 4))]
+    built = [builder.build(s) for s in steps()[:-1]] + [builder.build(steps()[-1], lambda n, ctx, uses_lora: (8, 4))]
     assert built[2].layout.nbytes > INLINE_BYTES and built[-1].graph_batch == 8
     got: list = []
     receiver = StepReceiver(g1, pin=False)

@@ -64,6 +64,20 @@ class LoraBatch:
         return cls(slots, lo, hi, weight.to(dtype)[:, :, None, None].to(device, non_blocking=True),
                    token_slots.to(device, non_blocking=True), scales.to(device, non_blocking=True), triton)
 
+    @classmethod
+    def on_device(cls, slots: LoraSlots, token_slots: torch.Tensor) -> LoraBatch:
+        """For a captured decode graph: every token's slot read from a static device tensor (-1: the base
+        model; a step's slots are copied in before each replay), the scale mask computed on the device,
+        inside the graph, so it follows the slots at every replay."""
+        idx = token_slots.clamp(min=0).long()
+        scale = slots.scale_tensor[idx] * (token_slots >= 0)
+        weight = torch.zeros(token_slots.shape[0], slots.max_loras, dtype=torch.float32, device=token_slots.device)
+        weight.scatter_(1, idx[:, None], scale[:, None])
+        dtype = slots.a[0][next(iter(slots.a[0]))].dtype
+        triton = token_slots.is_cuda or os.environ.get("PAGEDSERVE_LORA_KERNEL") == "triton"
+        return cls(slots, 0, token_slots.shape[0], weight.to(dtype)[:, :, None, None], token_slots,
+                   slots.scale_tensor, triton)
+
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[t] += B(A(x[t])) * scale for every token t of an adapter (in place)."""
         a_all, b_all = self.slots.a[layer][group], self.slots.b[layer][group]  # [S, P*r, in], [out, S, r]

@@ -56,6 +56,7 @@ class LoraSlots:
         self.b = [{g: zeros(sum(dims[m][1] for m in mods), max_loras, max_rank) for g, mods in GROUPS.items()}
                   for _ in range(config.num_layers)]
         self.scales = [0.0] * max_loras
+        self.scale_tensor = torch.zeros(max_loras, dtype=torch.float32, device=device)  # for captured graphs
         self.resident: list[str | None] = [None] * max_loras
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()
         self.paths: dict[str, str] = {}  # digest -> directory, to read it again after the LRU dropped it
@@ -106,4 +107,5 @@ class LoraSlots:
                         a[j * rmax:j * rmax + r].copy_(wa)
                         b[off:off + size, :r].copy_(wb)
         self.scales[slot] = weights.scale
+        self.scale_tensor[slot] = weights.scale
         self.resident[slot] = digest
