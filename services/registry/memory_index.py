@@ -19,6 +19,9 @@ class MemoryIndex:
         self._blocks: dict[str, set[int]] = {}
         self._pending: dict[str, dict[int, float]] = {}  # id -> hash -> expiry
         self._tokenizers: dict[str, bytes] = {}
+        self.catalog_version = 0  # bumped when a replica joins, leaves or changes what it serves
+        # Keyed when written: a publisher may change its info object in place (an adapter loaded).
+        self._catalog: dict[str, tuple] = {}
 
     async def write_tokenizer(self, digest: str, bundle: bytes) -> None:
         self._tokenizers[digest] = bundle
@@ -28,6 +31,10 @@ class MemoryIndex:
 
     # -- sink (scheduler side) ---------------------------------------------------------------------
     async def write_state(self, state: ReplicaState, ttl: float) -> None:
+        key = state.info.catalog_key()
+        if self._catalog.get(state.info.replica_id) != key:
+            self._catalog[state.info.replica_id] = key
+            self.catalog_version += 1
         self._states[state.info.replica_id] = (state, time.monotonic() + ttl)
 
     async def write_blocks(self, replica_id: str, delta: BlockDelta, ttl: float) -> None:
@@ -40,7 +47,9 @@ class MemoryIndex:
         self._pending.pop(replica_id, None)
 
     async def remove_replica(self, replica_id: str) -> None:
-        self._states.pop(replica_id, None)
+        if self._states.pop(replica_id, None) is not None:
+            self._catalog.pop(replica_id, None)
+            self.catalog_version += 1
         self._blocks.pop(replica_id, None)
         self._pending.pop(replica_id, None)
 
@@ -51,6 +60,8 @@ class MemoryIndex:
         for rid, (state, expiry) in list(self._states.items()):
             if expiry < now:
                 del self._states[rid]
+                self._catalog.pop(rid, None)
+                self.catalog_version += 1
                 continue
             blocks = self._blocks.get(rid, set())
             pending = self._pending.get(rid, {})

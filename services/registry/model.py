@@ -45,6 +45,12 @@ class ReplicaInfo:
     def identity(self) -> ModelIdentity:
         return ModelIdentity(self.model, self.block_size, self.hash_seed)
 
+    def catalog_key(self) -> tuple:
+        """What routers derive the served models and adapters from (not load, not cached blocks): when no
+        replica's key changes, and none joins or leaves, what a model name resolves to stays the same."""
+        return (self.generation, self.model, self.block_size, self.hash_seed, self.max_model_len,
+                self.tokenizer_digest, tuple(sorted(self.adapters.items())))
+
 
 @dataclass(slots=True)
 class ReplicaLoad:
@@ -125,7 +131,12 @@ class RegistrySink(Protocol):
 
 
 class PrefixIndex(Protocol):
-    """What a router reads: every live replica with how many leading blocks of a prompt it holds."""
+    """What a router reads: every live replica with how many leading blocks of a prompt it holds.
+
+    An index may also offer `catalog_version`, a number that changes whenever a replica joins, leaves or
+    changes its ReplicaInfo.catalog_key: routers then re-derive what model names resolve to only when it
+    changes, not on every decision (without it, on every read).
+    """
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         """Every live replica with the leading blocks it holds; a match shorter than `min_blocks` (one no

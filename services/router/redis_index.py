@@ -40,6 +40,10 @@ class RedisIndex:
         self.ns = namespace
         self.records = ReplicaRecords(client, namespace, signer, record_refresh)
 
+    @property
+    def catalog_version(self) -> int:
+        return self.records.catalog_version
+
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         await self.records.current()
         # One consistent set of records for this decision: a background refresh may swap them meanwhile.

@@ -38,6 +38,9 @@ class ReplicaRecords:
         self._full_at = 0.0
         self._last_change = "0-0"  # the change stream's id up to which the records are read
         self._parsed: dict[str, tuple[bytes, ReplicaState]] = {}
+        # Bumped when a replica joins, leaves or changes what it serves (ReplicaInfo.catalog_key).
+        self.catalog_version = 0
+        self._catalog: dict[str, tuple[object, tuple]] = {}  # replica id -> (its info, the info's key)
         self._warned: set[str] = set()
         self._task: asyncio.Task | None = None
         self._failing = False
@@ -108,9 +111,28 @@ class ReplicaRecords:
         # Swapped together, with no await in between: a decision reads one consistent set.
         position = {s.info.replica_id: i for i, s in enumerate(states)}
         by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
+        catalog_changed = self._note_catalog(states)
         self.states, self.position, self.by_generation = states, position, by_generation
+        if catalog_changed:  # after the swap: a reader that saw the new version reads the new states
+            self.catalog_version += 1
         self._parsed = {rid: v for rid, v in self._parsed.items() if rid in self.position}
         self.read_at = time.monotonic()
+
+    def _note_catalog(self, states: list[ReplicaState]) -> bool:
+        """Whether the served models or adapters may differ from the last install's. An unchanged record
+        parses to the same info object, so only changed ones are keyed and compared."""
+        old, new, changed = self._catalog, {}, len(states) != len(self._catalog)
+        for s in states:
+            rid, info = s.info.replica_id, s.info
+            prev = old.get(rid)
+            if prev is not None and prev[0] is info:
+                new[rid] = prev
+                continue
+            key = info.catalog_key()
+            changed = changed or prev is None or prev[1] != key
+            new[rid] = (info, key)
+        self._catalog = new
+        return changed
 
     async def _mget(self, names: list[str]) -> list[bytes | None]:
         # One multi-bulk reply parses far faster than as many GET replies; a cluster splits it by slot.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from services.openai_api.errors import APIError
@@ -28,8 +28,6 @@ EMPTY_GRACE = 5.0
 INDEX_RETRY = 0.5
 # A request for a model no known replica serves re-reads the registry at most this often.
 IDENTITY_REFRESH = 0.5
-# How often the adapters the records name are re-derived (a pass over the fleet's records).
-ADAPTERS_REFRESH = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +94,10 @@ class ReplicaView:
         self._retry_at = 0.0
         self._identity_read_at = 0.0
         self._adapters: dict[str, KnownAdapter] = {}  # name -> where it was last seen resident
-        self._adapters_at = float("-inf")
+        # What each model name resolves to, re-derived (a pass over the fleet's records) only when the
+        # index's catalog_version says a replica joined, left or changed what it serves.
+        self._served: dict[str, ServedModel] = {}
+        self._catalog_version: object = None
 
     async def resolve(self, model: str) -> ServedModel:
         """What serves `model` (a base model, or an adapter of one) as the registry last said.
@@ -107,7 +108,6 @@ class ReplicaView:
         found = self._resolve(model)
         if found is None and time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
             self._identity_read_at = time.monotonic()
-            self._adapters_at = float("-inf")  # this read re-derives them, whenever the last one did
             await self._read([])
             found = self._resolve(model)
         if found is not None:
@@ -119,20 +119,25 @@ class ReplicaView:
         raise NoReplicasError()
 
     def _resolve(self, model: str) -> ServedModel | None:
-        serving = [s.info for s in self._last if s.info.model == model]
-        adapter_digest = ""
-        if not serving:  # an adapter: served by the replicas of its parent, resident or loading it on demand
-            known = self._adapters.get(model)
-            if known is None:
-                return None
-            parent, adapter_digest = known.parent, known.digest
-            serving = [s.info for s in self._last if s.info.model == parent]
-            if not serving:
-                return None
-        identity = serving[0].identity
-        same = [i for i in serving if i.identity == identity]
-        return ServedModel(identity, min(i.max_model_len for i in same), same[0].tokenizer_digest,
-                           model if adapter_digest else None, adapter_digest)
+        return self._served.get(model)
+
+    def _derive_catalog(self) -> None:
+        infos = [s.info for s in self._last]
+        self._adapters = remember_adapters(self._adapters, infos)
+        serving: dict[str, list[ReplicaInfo]] = defaultdict(list)
+        for i in infos:
+            serving[i.model].append(i)
+        served = {}
+        for model, group in serving.items():
+            identity = group[0].identity
+            same = [i for i in group if i.identity == identity]
+            served[model] = ServedModel(identity, min(i.max_model_len for i in same), same[0].tokenizer_digest)
+        # An adapter is served by the replicas of its parent, resident or loading it on demand.
+        for name, known in self._adapters.items():
+            if name not in served and known.parent in served:
+                served[name] = replace(served[known.parent], adapter=name if known.digest else None,
+                                       adapter_digest=known.digest)
+        self._served = served
 
     async def models(self) -> list[tuple[str, int, str | None]]:
         """(name, max model length, parent) of every model and adapter the registry knows, for /v1/models:
@@ -140,7 +145,6 @@ class ReplicaView:
         IDENTITY_REFRESH): an adapter loaded at run time is listed before any request names it."""
         if not self._last or time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
             self._identity_read_at = time.monotonic()
-            self._adapters_at = float("-inf")
             await self._read([])
         lens: dict[str, int] = {}
         for s in self._last:
@@ -159,6 +163,9 @@ class ReplicaView:
 
     async def _read(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         now = time.monotonic()
+        # Tagged with the version from before the read: the states read are at least that new, so the tag
+        # is never newer than the catalog (at worst it is derived once more on the next read).
+        version = getattr(self.index, "catalog_version", None)
         if self._index_down and now < self._retry_at:
             return self._fallback()  # do not make every request wait for a dead Redis's timeout
         try:
@@ -178,8 +185,10 @@ class ReplicaView:
         if states or now - self._last_at > EMPTY_GRACE:
             # Kept with this decision's matches (no per-decision copy of the fleet): the fallback drops them.
             self._last, self._last_at = states, now
-            if now - self._adapters_at >= ADAPTERS_REFRESH:  # O(replicas): not on every decision
-                self._adapters, self._adapters_at = remember_adapters(self._adapters, [s.info for s in states]), now
+            after = getattr(self.index, "catalog_version", None)
+            if after is None or after != self._catalog_version:  # O(replicas): not on every decision
+                self._catalog_version = version
+                self._derive_catalog()
             return states
         # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile the last
         # view serves (retries cover any replica that really went away).

@@ -6,13 +6,10 @@ and an adapter unloaded on purpose is gone."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from services.lora_files import DIGEST_HEADER, UNAVAILABLE_CODE
 from services.registry.model import ReplicaLoad
-from services.router.replicas import ADAPTERS_REFRESH
 from tests.router.fake_replicas import MODEL, FakeReplicas
 from tests.router.test_models import make_router
 
@@ -70,14 +67,11 @@ def test_an_adapter_resident_on_one_replica_is_routed_there_or_loaded_elsewhere(
         assert "sql" in {m["id"] for m in httpx.get(r.url + "/v1/models").json()["data"]}
 
         # Unloaded on purpose by a replica still registered: forgotten, a 404 naming the served models.
-        # (The router re-derives the adapters its records name at most every ADAPTERS_REFRESH.)
         fakes.adapters["a"] = {"sql": DIGEST}
         fakes.publish("a", ReplicaLoad())
-        time.sleep(ADAPTERS_REFRESH + 0.05)
         complete(r.url, MODEL, "re-read")
         fakes.adapters["a"] = {}
         fakes.publish("a", ReplicaLoad())
-        time.sleep(ADAPTERS_REFRESH + 0.05)
         complete(r.url, MODEL, "re-read again")
         gone = complete(r.url, "sql", "gone")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"

@@ -87,13 +87,19 @@ def test_an_expired_record_goes_at_the_next_full_read(redis_server, monkeypatch)
     asyncio.run(scenario())
 
 
+async def one_replica_read(url: str) -> tuple:
+    """A client, a sink that wrote replica "a", and records that have read it (refreshed only by hand)."""
+    client = connect(url)
+    sink = RedisSink(client)
+    await sink.write_state(state("a"), ttl=60)
+    records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+    await records.read()
+    return client, sink, records
+
+
 def test_a_router_behind_a_trimmed_stream_reads_everything(redis_server):
     async def scenario():
-        client = connect(redis_server.url)
-        sink = RedisSink(client)
-        await sink.write_state(state("a"), ttl=60)
-        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
-        await records.read()
+        client, sink, records = await one_replica_read(redis_server.url)
         await sink.write_state(state("b"), ttl=60)
         await sink.write_state(state("a", running=3), ttl=60)
         # Trim the stream past this router's position (as MAXLEN does when it falls far behind).
@@ -102,6 +108,31 @@ def test_a_router_behind_a_trimmed_stream_reads_everything(redis_server):
         await records.refresh_changed()
         by_id = {s.info.replica_id: s for s in records.states}
         assert set(by_id) == {"a", "b", "c"} and by_id["a"].load.num_running == 3
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_catalog_version_moves_with_what_replicas_serve_not_with_their_load(redis_server):
+    async def scenario():
+        client, sink, records = await one_replica_read(redis_server.url)
+        seen = [records.catalog_version]
+
+        async def after(write) -> bool:
+            await write
+            await records.refresh_changed()
+            seen.append(records.catalog_version)
+            return seen[-1] != seen[-2]
+
+        assert not await after(sink.write_state(state("a", running=4), ttl=60))  # load only
+        with_adapter = state("a")
+        with_adapter.info.adapters = {"sql": "d1"}
+        assert await after(sink.write_state(with_adapter, ttl=60))  # an adapter became resident
+        assert not await after(sink.write_state(with_adapter, ttl=60))
+        assert await after(sink.write_state(state("b"), ttl=60))  # a replica joined
+        assert await after(sink.remove_replica("b"))  # and left
+        await records.read()  # a full read of the same records changes nothing
+        assert records.catalog_version == seen[-1]
         await client.aclose()
 
     asyncio.run(scenario())

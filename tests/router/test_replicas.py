@@ -47,3 +47,31 @@ def test_an_empty_registry_right_after_an_outage_does_not_empty_the_view(monkeyp
         assert await ids() == []
 
     asyncio.run(main())
+
+
+class CountingIndex(FlakyIndex):
+    """An index offering catalog_version: the view re-derives its model names only when it moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.catalog_version = 0
+
+
+def test_model_names_are_re_derived_only_when_the_catalog_version_moves(monkeypatch):
+    index = CountingIndex()
+    view = ReplicaView(index, RouterMetrics())
+    derived = []
+    real = view._derive_catalog
+    monkeypatch.setattr(view, "_derive_catalog", lambda: (derived.append(1), real()))
+
+    async def main():
+        assert (await view.resolve("m")).adapter is None
+        for _ in range(5):  # decisions with load changes only
+            await view.snapshot([])
+        assert len(derived) == 1
+        index.state.info.adapters = {"sql": "d1"}
+        index.catalog_version += 1
+        await view.snapshot([])
+        assert len(derived) == 2 and (await view.resolve("sql")).adapter_digest == "d1"
+
+    asyncio.run(main())
