@@ -1,4 +1,4 @@
-"""One step's LoRA application (services/engine/lora/batch.py): the all-slots torch path and the Triton
+"""One step's LoRA application (services/engine/lora/batch.py): the torch path over the slots a step uses and the Triton
 kernel's path (through the interpreter) against a per-token reference, with several adapters of other
 ranks and base-model tokens in one step, a span that does not start at the first token, and fused
 projections."""
@@ -61,6 +61,26 @@ def test_a_step_of_three_adapters_and_base_tokens(kernel, monkeypatch):
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
         for t in (0, 1, 5, 11):  # base tokens: not a bit changed
             assert torch.equal(out[t], want[t])
+
+
+@pytest.mark.parametrize("used", [[1], [2], [1, 2]])
+def test_a_step_using_some_slots_computes_only_their_range(used):
+    slots, _ = _slots()
+    token_slot = [-1] + [s for s in used for _ in range(3)] + [-1]
+    segments, at = [], 0
+    for s in token_slot:
+        segments.append((s, at, at + 1))
+        at += 1
+    batch = LoraBatch.of(slots, segments, torch.device("cpu"))
+    assert (batch.first, batch.end) == (min(used), max(used) + 1)
+    assert batch.weight.shape[1] == max(used) + 1 - min(used)
+    gen = torch.Generator().manual_seed(1)
+    for group, fan_in in GROUP_IN.items():
+        x = torch.randn(len(token_slot), fan_in, generator=gen)
+        out = torch.randn(len(token_slot), sum(size for _, size in slots.parts[group]), generator=gen)
+        want = _reference(slots, token_slot, group, x, out)
+        batch.apply(0, group, x, out)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_step_without_adapter_tokens_has_no_batch():

@@ -2,15 +2,16 @@
 (x @ A^T, to the padded rank) then an expand (@ B^T, times the adapter's scale) added to the output, as
 PEFT computes it (`base(x) + B(A(x)) * scaling`).
 
-On the CPU (torch GEMMs) all slots go at once: one GEMM shrinks the span of tokens that holds every
-adapter token against every slot's A, a mask keeps each token's own slot (times its scale; zero for the
-base model's tokens), and one `addmm_` per part of a fused projection expands against every slot's B and
-adds into the output in place. That is a fixed handful of operations per projection whatever the number
-of adapters in the step (a loop over slots cost 4x the operations at 4 adapters, and the expand's
-separate add a second pass over the output). On CUDA the Triton kernel does the same per token
-(kernels/triton_lora.py: a slot index per token, read on the device; set PAGEDSERVE_LORA_KERNEL=triton to
-run it through Triton's interpreter on the CPU). With no adapter in the step there is no LoraBatch at all,
-and the step is built on the host (each sequence has one slot), so the forward reads no device value back.
+On the CPU (torch GEMMs) the slots the step uses (from the first to the last of them) go at once: one GEMM
+shrinks the span of tokens that holds every adapter token against each of those slots' A, a mask keeps each
+token's own slot (times its scale; zero for the base model's tokens), and one `addmm_` per part of a fused
+projection expands against those slots' B and adds into the output in place. That is a fixed handful of
+operations per projection whatever the number of adapters in the step (a loop over slots cost 4x the
+operations at 4 adapters, and the expand's separate add a second pass over the output). On CUDA the Triton
+kernel does the same per token (kernels/triton_lora.py: a slot index per token, read on the device; set
+PAGEDSERVE_LORA_KERNEL=triton to run it through Triton's interpreter on the CPU). With no adapter in the
+step there is no LoraBatch at all, and the step is built on the host (each sequence has one slot), so the
+forward reads no device value back.
 
 Under tensor parallelism each rank applies its slices (services/engine/lora/weights.py) to its part of
 the projection. Column-parallel (qkv, gate_up): the whole A, so every rank shrinks the whole input, and
@@ -43,6 +44,10 @@ class LoraBatch:
     token_slots: torch.Tensor  # int32 [hi - lo]: each token's slot, -1 for the base model (the kernel's)
     scales: torch.Tensor  # float32 [slots]
     triton: bool
+    # The slots first..end-1 hold every adapter the step uses: the torch path shrinks and expands only
+    # those (one adapter in the step costs a quarter of four slots' GEMMs, not all of them).
+    first: int = 0
+    end: int | None = None
 
     @classmethod
     def of(cls, slots: LoraSlots, segments: list[tuple[int, int, int]], device: torch.device) -> LoraBatch | None:
@@ -61,8 +66,11 @@ class LoraBatch:
         weight[rows, token_slots[rows].long()] = scales[token_slots[rows].long()]
         dtype = slots.a[0][next(iter(slots.a[0]))].dtype
         triton = device.type == "cuda" or os.environ.get("PAGEDSERVE_LORA_KERNEL") == "triton"
-        return cls(slots, lo, hi, weight.to(dtype)[:, :, None, None].to(device, non_blocking=True),
-                   token_slots.to(device, non_blocking=True), scales.to(device, non_blocking=True), triton)
+        used_slots = [slot for slot, _, _ in live]
+        first, end = min(used_slots), max(used_slots) + 1
+        return cls(slots, lo, hi, weight[:, first:end].to(dtype)[:, :, None, None].to(device, non_blocking=True),
+                   token_slots.to(device, non_blocking=True), scales.to(device, non_blocking=True), triton,
+                   first, end)
 
     @classmethod
     def on_device(cls, slots: LoraSlots, token_slots: torch.Tensor) -> LoraBatch:
@@ -88,8 +96,9 @@ class LoraBatch:
 
             lora_apply(xs, os_, a_all, b_all.permute(1, 0, 2), self.token_slots, self.scales, parts, r)
             return
+        a_all, b_all = a_all[self.first:self.end], b_all[:, self.first:self.end]  # views: no copy
         n_slots, tokens = a_all.shape[0], xs.shape[0]
         xa = (xs @ a_all.reshape(-1, a_all.shape[2]).t()).view(tokens, n_slots, len(parts), r) * self.weight
-        expand = b_all.view(b_all.shape[0], n_slots * r)
+        expand = b_all.view(b_all.shape[0], n_slots * r)  # [out, n, r] slots of [out, S, r]: still a view
         for j, (off, size) in enumerate(parts):
             os_[:, off:off + size].addmm_(xa[:, :, j].reshape(tokens, n_slots * r), expand[off:off + size].t())
