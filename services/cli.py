@@ -105,6 +105,8 @@ def _add_bench(sub) -> None:
     t.add_argument("--lora-adapters", default=None,
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: throughput of each "
                         "and its ratio to the base model (0) in the same run, instead of the baselines")
+    t.add_argument("--lora-passes", type=int, default=2,
+                   help="with --lora-adapters: passes over the counts, alternately in order and reversed")
     t.set_defaults(handler="services.bench.throughput:run")
     ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
                          "alternating runs in one command, ratio of medians")

@@ -4,12 +4,18 @@ model in the same run.
 One engine with as many slots as the largest count; seeded random rank-8 adapters on every projection,
 written in PEFT's format (adapter_config.json + safetensors) and loaded as any adapter is. For each
 count the same workload runs with its requests spread round-robin over that many adapters (0: the base
-model alone), and the table gives output tokens/s and the ratio to the base run. Counts run in order and
-then in reverse, and each figure is the mean of its two runs."""
+model alone), and the table gives output tokens/s and the ratio to the base run. Passes over the counts
+alternate in order and in reverse (--lora-passes), and each figure is the median of its runs.
+
+Wall-clock throughput on a shared VM moves by more than the effect measured (a neighbour's load, CPU
+steal), so each run also records the process's CPU seconds per output token (every engine and scheduler
+thread of this in-process engine, time.process_time): time the host took away is not counted there, and
+its ratio to the base model's is the second, steadier figure of cost."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +60,11 @@ def _timed(llm, requests, names) -> dict:
     from services import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False, lora_request=names)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tokens": n, "seconds": elapsed, "tokens_per_s": n / elapsed}
+    return {"output_tokens": n, "seconds": elapsed, "tokens_per_s": n / elapsed, "cpu_ms_per_token": cpu * 1e3 / n}
 
 
 def run(args, counts: list[int]) -> dict:
@@ -75,28 +81,33 @@ def run(args, counts: list[int]) -> dict:
         warm = [(7919 * i) % 4000 + 100 for i in range(32)]
         llm.generate([warm] * (max(counts) + 1), SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
                      lora_request=[None] + [f"lora{i}" for i in range(max(counts))])
-        # Counts in order, then in reverse: a drift in the machine's load lands on every count alike, and
-        # each count's figure is the mean of its two runs.
+        # Passes alternately in order and reversed: a drift in the machine's load lands on every count alike.
         runs: dict[int, list[dict]] = {k: [] for k in counts}
-        for k in [*counts, *reversed(counts)]:
-            llm.core.pool.reset_cache()  # no run reuses another's prefixes
-            names = [None if k == 0 else f"lora{i % k}" for i in range(len(requests))]
-            runs[k].append(_timed(llm, requests, names))
-            print(f"  {k} adapter(s), pass {len(runs[k])}: {runs[k][-1]['tokens_per_s']:.1f} output tok/s", flush=True)
+        for p in range(args.lora_passes):
+            for k in (counts if p % 2 == 0 else counts[::-1]):
+                llm.core.pool.reset_cache()  # no run reuses another's prefixes
+                names = [None if k == 0 else f"lora{i % k}" for i in range(len(requests))]
+                runs[k].append(_timed(llm, requests, names))
+                print(f"  {k} adapter(s), pass {len(runs[k])}: {runs[k][-1]['tokens_per_s']:.1f} output tok/s, "
+                      f"{runs[k][-1]['cpu_ms_per_token']:.2f} CPU ms per token", flush=True)
         results = [{"adapters": k, "output_tokens": rs[0]["output_tokens"],
-                    "seconds": sum(r["seconds"] for r in rs) / len(rs),
-                    "tokens_per_s": sum(r["tokens_per_s"] for r in rs) / len(rs),
-                    "runs_tokens_per_s": [round(r["tokens_per_s"], 2) for r in rs]} for k, rs in runs.items()]
+                    "seconds": statistics.median(r["seconds"] for r in rs),
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                    "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in rs),
+                    "runs_tokens_per_s": [round(r["tokens_per_s"], 2) for r in rs],
+                    "runs_cpu_ms_per_token": [round(r["cpu_ms_per_token"], 3) for r in rs]} for k, rs in runs.items()]
     base = next((r for r in results if r["adapters"] == 0), None)
     for r in results:
         if base is not None:
             r["ratio_to_base"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["cpu_ratio_to_base"] = base["cpu_ms_per_token"] / r["cpu_ms_per_token"]  # as a throughput ratio
     print(f"\nLoRA cost, rank {RANK} on every projection, workload {args.workload} ({len(requests)} requests, "
-          f"{args.dtype}, {llm.runner.device}):")
-    print(f"{'adapters in the mix':<22} {'tok/s':>9} {'ratio to base':>14}  runs (tok/s)")
+          f"{args.dtype}, {llm.runner.device}; medians of {args.lora_passes} passes):")
+    print(f"{'adapters in the mix':<20} {'tok/s':>7} {'ratio':>6} {'CPU ms/tok':>11} {'CPU ratio':>10}  runs (tok/s)")
     for r in results:
-        ratio = r.get("ratio_to_base")
-        print(f"{r['adapters']:<22} {r['tokens_per_s']:>9.1f} {(f'{ratio:.3f}' if ratio else '-'):>14}  "
+        ratio, cpu_ratio = r.get("ratio_to_base"), r.get("cpu_ratio_to_base")
+        print(f"{r['adapters']:<20} {r['tokens_per_s']:>7.1f} {(f'{ratio:.3f}' if ratio else '-'):>6} "
+              f"{r['cpu_ms_per_token']:>11.2f} {(f'{cpu_ratio:.3f}' if cpu_ratio else '-'):>10}  "
               f"{' / '.join(f'{x:.1f}' for x in r['runs_tokens_per_s'])}")
     llm.close()
     return {"workload": args.workload, "dtype": args.dtype, "rank": RANK, "lora_results": results}

@@ -95,6 +95,9 @@ def run(args) -> int:
         if counts[0] < 0:
             print("--lora-adapters: counts must be >= 0", file=sys.stderr)
             return 2
+        if args.lora_passes < 1:
+            print("--lora-passes: at least 1", file=sys.stderr)
+            return 2
         report = lora_mix.run(args, counts)
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(report, indent=2))
