@@ -82,13 +82,13 @@ def adapter_cost(r: ReplicaState, req: RouteRequest, measured_load_seconds: floa
     return load_seconds * max(1, r.info.capacity) / req.request_seconds
 
 
-def effective_loads(replicas: list[ReplicaState], req: RouteRequest) -> dict[str, float]:
-    """Replica id -> requests in flight plus the adapter's load cost there. A replica that never loaded an
-    adapter is charged the slowest load its model's replicas measured."""
+def effective_loads(replicas: list[ReplicaState], req: RouteRequest) -> list[float]:
+    """Each replica's requests in flight plus the adapter's load cost there, in the order of `replicas`. A
+    replica that never loaded an adapter is charged the slowest load its model's replicas measured."""
     if req.adapter is None:
-        return {r.info.replica_id: float(r.load.requests) for r in replicas}
+        return [r.load.num_waiting + r.load.num_running for r in replicas]
     fleet = max((r.info.adapter_load_seconds for r in replicas), default=0.0)
-    return {r.info.replica_id: r.load.requests + adapter_cost(r, req, fleet) for r in replicas}
+    return [r.load.requests + adapter_cost(r, req, fleet) for r in replicas]
 
 
 def _top(replicas: list[ReplicaState], req: RouteRequest, keys: list[tuple], k: int) -> list[ReplicaState]:
@@ -103,13 +103,27 @@ def _top(replicas: list[ReplicaState], req: RouteRequest, keys: list[tuple], k: 
     return [replicas[i] for i in picked[:k]]
 
 
+def _top_by_load(replicas: list[ReplicaState], loads: list[float], req: RouteRequest, k: int, tie_keys,
+                 skip: int = -1) -> list[ReplicaState]:
+    """The k replicas (all but replicas[skip]) of smallest (load, *tie_keys(replica)). Only those whose load
+    is within the k smallest loads can be among them, so only those get a full key: at 1,000 replicas
+    one pass over plain floats instead of building a tuple per replica."""
+    idx = [i for i in range(len(replicas)) if i != skip]
+    if len(idx) > k:
+        cut = heapq.nsmallest(k, [loads[i] for i in idx])[-1]
+        idx = [i for i in idx if loads[i] <= cut]
+    return _top([replicas[i] for i in idx], req, [(loads[i], *tie_keys(replicas[i])) for i in idx], k)
+
+
+def _least_loaded_keys(req: RouteRequest):
+    """Ties among equal loads: where the adapter is resident, then the least KV in use, then the least cached."""
+    return lambda r: (not resident(r, req), r.load.kv_usage, r.load.cached_blocks)
+
+
 def least_loaded(replicas: list[ReplicaState], req: RouteRequest, k: int = RANKED) -> list[ReplicaState]:
     """The k least loaded (the adapter's load cost counted); among equals, where the adapter is resident,
     then the least KV in use, then the least cached."""
-    loads = effective_loads(replicas, req)
-    keys = [(loads[r.info.replica_id], not resident(r, req), r.load.kv_usage, r.load.cached_blocks)
-            for r in replicas]
-    return _top(replicas, req, keys, k)
+    return _top_by_load(replicas, effective_loads(replicas, req), req, k, _least_loaded_keys(req))
 
 
 def useful_blocks(req: RouteRequest) -> int:
@@ -130,24 +144,23 @@ class PrefixPolicy:
         if not replicas:
             return []
         loads = effective_loads(replicas, req)
-        min_load = min(loads.values())
-        slack = max(GUARD_ABS, GUARD_REL * min_load)
+        min_load = min(loads)
+        limit = min_load + max(GUARD_ABS, GUARD_REL * min_load)
         # Affinity: the deepest match within the guard, then the lighter load, where the adapter is resident.
-        eligible = [r for r in replicas if r.matched_blocks and loads[r.info.replica_id] <= min_load + slack]
+        eligible = [i for i, r in enumerate(replicas) if r.matched_blocks and loads[i] <= limit]
         best = None
         if eligible:
-            keys = [(-r.matched_blocks, loads[r.info.replica_id], not resident(r, req)) for r in eligible]
-            best = _top(eligible, req, keys, 1)[0]
+            keys = [(-replicas[i].matched_blocks, loads[i], not resident(replicas[i], req)) for i in eligible]
+            best = _top([replicas[i] for i in eligible], req, keys, 1)[0]
         worth_it = best is not None and (
             match_ratio(best, req) >= MIN_MATCH_RATIO or best.matched_blocks * req.block_size >= MIN_MATCH_TOKENS)
         if worth_it:
-            rest = least_loaded([r for r in replicas if r is not best], req, RANKED - 1)
-            return [best, *rest]
+            skip = next(i for i in eligible if replicas[i] is best)
+            return [best, *_top_by_load(replicas, loads, req, RANKED - 1, _least_loaded_keys(req), skip)]
         # No useful affinity: least loaded (the adapter's load cost counted); among equals, where the adapter
         # is resident, then the one caching least, where a new prefix fits.
-        keys = [(loads[r.info.replica_id], not resident(r, req), r.load.cached_blocks, r.load.kv_usage)
-                for r in replicas]
-        return _top(replicas, req, keys, RANKED)
+        return _top_by_load(replicas, loads, req, RANKED,
+                            lambda r: (not resident(r, req), r.load.cached_blocks, r.load.kv_usage))
 
 
 class LeastLoadedPolicy:

@@ -21,7 +21,7 @@ from services.registry.model import ReplicaState, Signer, UntrustedRecord
 
 log = logging.getLogger(__name__)
 
-CHUNK = 200  # records read per command
+CHUNK = 50  # records read per command (and parsed between two yields to the event loop)
 FULL_READ_EVERY = 2.0  # seconds between two reads of every record
 
 

@@ -155,9 +155,16 @@ class ReplicaView:
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         states = await self._read(block_hashes, min_blocks)
-        inflight, allows = self.inflight, (self.filter.allows if self.filter is not None else None)
-        live = [s if inflight.get(s.info.replica_id, 0) <= s.load.requests else self._with_local_load(s)
-                for s in states if s.load.healthy and (allows is None or allows(s.info))]
+        if self.filter is None:
+            live = [s for s in states if s.load.healthy]
+        else:
+            allows = self.filter.allows
+            live = [s for s in states if s.load.healthy and allows(s.info)]
+        # Local in-flight counts above the published load lift it (one dict lookup per replica: at 1,000
+        # replicas this pass is the router's own O(replicas) share of a decision).
+        get = self.inflight.get
+        live = [s if get(s.info.replica_id, 0) <= s.load.num_waiting + s.load.num_running
+                else self._with_local_load(s) for s in live]
         self.metrics.healthy_replicas.set(len(live))
         return live
 
