@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import AttentionMetadata, PagedAttention
-from services.engine.lora.batch import LoraBatch
+from services.engine.lora.batch import LoraBatch, slots_per_token
 from services.engine.lora.slots import LoraSlots
 from services.engine.step_inputs import StepInputs, padding_step
 
@@ -152,10 +152,7 @@ class DecodeGraphs:
         assert step.host.numel() == bucket.buffer.numel(), "step not built for this graph"
         bucket.buffer.copy_(step.host, non_blocking=True)
         if bucket.lora_slots is not None:
-            slots = torch.full((bucket.size,), -1, dtype=torch.int32)
-            for slot, start, end in step.lora_segments:
-                slots[start:end] = slot
-            bucket.lora_slots.copy_(slots, non_blocking=True)
+            bucket.lora_slots.copy_(slots_per_token(step.lora_segments, 0, bucket.size), non_blocking=True)
         bucket.graph.replay()
         logits, hidden = bucket.graph.outputs
         return logits, hidden

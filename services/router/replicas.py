@@ -146,12 +146,11 @@ class ReplicaView:
         if not self._last or time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
             self._identity_read_at = time.monotonic()
             await self._read([])
-        lens: dict[str, int] = {}
-        for s in self._last:
-            lens[s.info.model] = min(lens.get(s.info.model, s.info.max_model_len), s.info.max_model_len)
-        out = [(name, n, None) for name, n in sorted(lens.items())]
-        return out + [(name, lens[a.parent], a.parent) for name, a in sorted(self._adapters.items())
-                      if name not in lens and a.parent in lens]
+        # The catalog the routing decisions use, so /v1/models lists exactly what a request can name.
+        served = sorted(self._served.items())
+        return ([(name, m.max_model_len, None) for name, m in served if m.adapter is None]
+                + [(name, m.max_model_len, self._adapters[name].parent) for name, m in served
+                   if m.adapter is not None])
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         states = await self._read(block_hashes, min_blocks)

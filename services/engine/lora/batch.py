@@ -35,6 +35,15 @@ import torch
 from services.engine.lora.slots import LoraSlots
 
 
+def slots_per_token(segments: list[tuple[int, int, int]], lo: int, n: int) -> torch.Tensor:
+    """int32 [n]: the slot of each of the step's tokens lo..lo+n-1 (-1: the base model), from its (slot,
+    first token, end token) ranges."""
+    out = torch.full((n,), -1, dtype=torch.int32)
+    for slot, start, end in segments:
+        out[start - lo:end - lo] = slot
+    return out
+
+
 @dataclass
 class LoraBatch:
     slots: LoraSlots
@@ -56,9 +65,7 @@ class LoraBatch:
         if not live:
             return None
         lo, hi = min(start for _, start, _ in live), max(end for _, _, end in live)
-        token_slots = torch.full((hi - lo,), -1, dtype=torch.int32)
-        for slot, start, end in live:
-            token_slots[start - lo:end - lo] = slot
+        token_slots = slots_per_token(live, lo, hi - lo)
         scales = torch.tensor(slots.scales, dtype=torch.float32)
         used = token_slots >= 0
         weight = torch.zeros(hi - lo, slots.max_loras, dtype=torch.float32)
