@@ -192,11 +192,17 @@ def _add_bench(sub) -> None:
     x.add_argument("--capacity", type=int, default=4000, help="blocks a replica's cache holds")
     x.add_argument("--groups-per-replica", type=int, default=1, help="system prompts per replica")
     x.add_argument("--questions", type=int, default=10, help="requests per system prompt")
+    x.add_argument("--min-decisions", type=int, default=2000,
+                   help="decisions per fleet size at least (small fleets run more rounds of fresh groups)")
     x.add_argument("--hold", type=int, default=0, help="decisions a request stays in flight (0: 2 x replicas)")
     x.add_argument("--publish-every", type=int, default=10, help="decisions between two event publishes")
     x.add_argument("--event-seconds", type=float, default=3.0, help="length of the event-rate phase")
     x.add_argument("--event-scale", type=float, default=1.0,
                    help="fraction of the H200 event rate (2,000 block events/s per replica) to generate")
+    x.add_argument("--passes", type=int, default=1, choices=range(1, 21), metavar="1..20",
+                   help="runs of every size, in alternating order; each figure is their median")
+    x.add_argument("--replay-seconds", type=float, default=1.0,
+                   help="seconds of the fleet's index writes at the H200 rate, recorded then sent at once (0: skip)")
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--json", dest="json_path", default=None)
     x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")

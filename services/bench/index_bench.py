@@ -18,8 +18,10 @@ import random
 import statistics
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
 
+from services.bench.index_replay import run_replay
 from services.block_hash import hash_blocks
 from services.registry.model import ReplicaInfo, ReplicaLoad
 from services.registry.publisher import ReplicaPublisher
@@ -41,6 +43,7 @@ H200_EVENTS_PER_S = 2000
 class Event:
     kind: str
     block_hashes: list[int]
+    positions: list[int]
 
 
 class FakeReplica:
@@ -48,9 +51,10 @@ class FakeReplica:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.cache: OrderedDict[int, int] = OrderedDict()  # block hash -> its position in its chain
         self.events: list[Event] = []
         self.inflight = 0
+        self.stream_position = 0  # where the event-rate phase's chain has got to
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(num_running=self.inflight, cached_blocks=len(self.cache))
@@ -67,25 +71,30 @@ class FakeReplica:
             n += 1
         return n
 
-    def admit(self, hashes: list[int]) -> None:
-        """The request ran here: its blocks are cached (prefix last touched), the LRU tail evicted."""
-        new = [h for h in hashes if h not in self.cache]
-        for h in reversed(hashes):  # the prefix ends up most recently used: evicted last
-            self.cache[h] = None
-            self.cache.move_to_end(h)
+    def admit(self, hashes: list[int], start: int = 0) -> None:
+        """The request ran here: its blocks (positions start, start + 1, ... of their chain) are cached,
+        prefix last touched, and the LRU tail evicted."""
+        new = [(h, start + p) for p, h in enumerate(hashes) if h not in self.cache]
+        for p in range(len(hashes) - 1, -1, -1):  # the prefix ends up most recently used: evicted last
+            self.cache[hashes[p]] = start + p
+            self.cache.move_to_end(hashes[p])
         evicted = []
         while len(self.cache) > self.capacity:
-            evicted.append(self.cache.popitem(last=False)[0])
+            evicted.append(self.cache.popitem(last=False))
         if new:
-            self.events.append(Event("stored", new))
+            self.events.append(Event("stored", [h for h, _ in new], [p for _, p in new]))
         if evicted:
-            self.events.append(Event("removed", evicted))
+            self.events.append(Event("removed", [h for h, _ in evicted], [p for _, p in evicted]))
 
 
-def workload(groups: int, questions: int, rng: random.Random, header: int = 4, system: int = 60,
+def header_tokens(rng: random.Random, blocks: int = 4) -> list[int]:
+    """The chat-template header every prompt of the fleet starts with."""
+    return [rng.randrange(50_000) for _ in range(blocks * BLOCK)]
+
+
+def workload(groups: int, questions: int, rng: random.Random, head: list[int], system: int = 60,
              question: int = 64) -> list[list[int]]:
     """Block-hash chains of groups x questions prompts, shuffled: header + system prompt + question blocks."""
-    head = [rng.randrange(50_000) for _ in range(header * BLOCK)]
     prompts = []
     for _ in range(groups):
         sys_ids = [rng.randrange(50_000) for _ in range(system * BLOCK)]
@@ -96,9 +105,10 @@ def workload(groups: int, questions: int, rng: random.Random, header: int = 4, s
     return prompts
 
 
-def oracle_blocks(prompts: list[list[int]]) -> int:
-    """Blocks a perfect router (every earlier prompt's cache reachable) serves from cache."""
-    seen: set[int] = set()
+def oracle_blocks(prompts: list[list[int]], warm=()) -> int:
+    """Blocks a perfect router (every earlier prompt's cache reachable, and the `warm` blocks every replica
+    holds from the start) serves from cache."""
+    seen: set[int] = set(warm)
     total = 0
     for hashes in prompts:
         for h in hashes:
@@ -112,16 +122,49 @@ def oracle_blocks(prompts: list[list[int]]) -> int:
 async def redis_stats(client) -> tuple[float, int]:
     """(command usec, used_memory bytes) summed over every node (one, or every cluster primary); the
     INFO calls this benchmark makes are left out."""
+    usec = sum(u for _, u in (await command_stats(client)).values())
     if _is_cluster(client):
         from redis.asyncio.cluster import RedisCluster
 
-        nodes = list((await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)).values())
         mem = list((await client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
     else:
-        nodes, mem = [await client.info("commandstats")], [await client.info("memory")]
-    usec = sum(v.get("usec", 0) for node in nodes for k, v in node.items()
-               if k.startswith("cmdstat_") and k != "cmdstat_info")
+        mem = [await client.info("memory")]
     return usec, sum(int(m.get("used_memory", 0)) for m in mem)
+
+
+async def _node_commandstats(client) -> dict[str, dict]:
+    if _is_cluster(client):
+        from redis.asyncio.cluster import RedisCluster
+
+        return await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+    return {"one": await client.info("commandstats")}
+
+
+async def node_usec(client) -> dict[str, float]:
+    """Node -> command usec so far (INFO left out)."""
+    return {name: sum(float(v.get("usec", 0)) for k, v in node.items()
+                      if k.startswith("cmdstat_") and k != "cmdstat_info")
+            for name, node in (await _node_commandstats(client)).items()}
+
+
+async def command_stats(client) -> dict[str, tuple[int, float]]:
+    """Command name -> (calls, usec) summed over every node, INFO left out."""
+    out: dict[str, tuple[int, float]] = {}
+    for node in (await _node_commandstats(client)).values():
+        for k, v in node.items():
+            if k.startswith("cmdstat_") and k != "cmdstat_info":
+                calls, usec = out.get(k[8:], (0, 0.0))
+                out[k[8:]] = (calls + int(v.get("calls", 0)), usec + float(v.get("usec", 0)))
+    return out
+
+
+def _plus(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
+    return {k: (a.get(k, (0, 0.0))[0] + b.get(k, (0, 0.0))[0], a.get(k, (0, 0.0))[1] + b.get(k, (0, 0.0))[1])
+            for k in a.keys() | b.keys()}
+
+
+def _minus(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
+    return {k: (c - b.get(k, (0, 0.0))[0], u - b.get(k, (0, 0.0))[1]) for k, (c, u) in a.items()}
 
 
 def _is_cluster(client) -> bool:
@@ -143,9 +186,13 @@ class FleetResult:
     events_per_s_target: float
     events_per_s_absorbed: float
     redis_us_per_event: float
+    redis_by_command: dict[str, dict[str, float]]
+    replay: dict | None  # index_replay.ReplayResult: the fleet's writes at the H200 rate, sent at once
+    runs_decision_p99_ms: list[float] = field(default_factory=list)  # each pass's, when there were several
+    runs_redis_us_per_decision: list[float] = field(default_factory=list)
 
 
-async def run_fleet(url: str, n: int, args) -> FleetResult:
+async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     rng = random.Random(args.seed)
     client = connect(url, timeout=10)  # the machine is shared: a slow moment is not an outage here
     await (client.flushall(target_nodes="primaries") if _is_cluster(client) else client.flushall())
@@ -154,8 +201,10 @@ async def run_fleet(url: str, n: int, args) -> FleetResult:
     pubs = [ReplicaPublisher(sink, ReplicaInfo(f"replica-{i}", f"http://replica-{i}", "m", BLOCK, 8192, 8, SEED),
                              f, heartbeat_interval=3600) for i, f in enumerate(fakes)]
     _, mem0 = await redis_stats(client)
-    for f in fakes:  # background cache content: chains nobody asks for
+    head = header_tokens(rng)
+    for f in fakes:  # background cache content: chains nobody asks for, and the header (a warm fleet)
         f.admit([rng.getrandbits(63) for _ in range(args.cached_blocks)])
+        f.admit(hash_blocks(head, BLOCK, SEED))
     await _publish_all(pubs)
     _, mem1 = await redis_stats(client)
     entries = sum(len(f.cache) for f in fakes)
@@ -163,13 +212,22 @@ async def run_fleet(url: str, n: int, args) -> FleetResult:
     index = RedisIndex(client)
     view = ReplicaView(index, RouterMetrics())
     policy = PrefixPolicy()
-    prompts = workload(max(1, n * args.groups_per_replica), args.questions, rng)
-    lat, cpu, cached, redis_usec, publish_usec = [], 0.0, 0, 0.0, 0.0
+    # Rounds of fresh groups until --min-decisions: at 10 replicas one round is 100 decisions, too few for a
+    # p99. Each round is shuffled on its own, so what a round shares stays within it (plus the header).
+    groups = max(1, n * args.groups_per_replica)
+    prompts = []
+    while True:
+        prompts += workload(groups, args.questions, rng, head)
+        if len(prompts) >= args.min_decisions:
+            break
+    lat, cpu, cached = [], 0.0, 0
+    spent: dict[str, tuple[int, float]] = {}  # Redis commands of the decisions (publishes left out)
     per_replica = [0] * n
     window: deque[tuple[int, int]] = deque()  # requests in flight: (decision that ends it, replica)
     hold = args.hold or 2 * n  # about two requests in flight per replica
+    touched: set[int] = set()  # replicas whose cache or load changed since the last publish
     await view.snapshot([])
-    usec_start, _ = await redis_stats(client)
+    mark = await command_stats(client)
     for k, hashes in enumerate(prompts):
         t0, c0 = time.perf_counter(), time.process_time()
         route = RouteRequest(hashes, len(hashes) * BLOCK, BLOCK)
@@ -185,21 +243,29 @@ async def run_fleet(url: str, n: int, args) -> FleetResult:
         per_replica[i] += 1
         view.inflight[chosen.info.replica_id] += 1
         fakes[i].inflight += 1
+        touched.add(i)
         window.append((k + hold, i))
         while window and window[0][0] <= k:
             r = window.popleft()[1]
             view.inflight[f"replica-{r}"] -= 1
             fakes[r].inflight -= 1
+            touched.add(r)
         if k % args.publish_every == args.publish_every - 1:  # the publishers' 20 ms batches
-            before, _ = await redis_stats(client)
-            await _publish_all([pubs[j] for j in range(n) if fakes[j].events])
-            after, _ = await redis_stats(client)
-            publish_usec += after - before
-    usec_end, _ = await redis_stats(client)
-    redis_usec = usec_end - usec_start - publish_usec
+            spent = _plus(spent, _minus(await command_stats(client), mark))
+            # Whoever stored blocks or whose load moved: a real publisher ticks every 20 ms and publishes a
+            # load change, so a replica a request just left must not look busy until its next event.
+            await _publish_all([pubs[j] for j in sorted(touched)])
+            touched.clear()
+            mark = await command_stats(client)
+    spent = _plus(spent, _minus(await command_stats(client), mark))
+    redis_usec = sum(u for _, u in spent.values())
     decisions = len(prompts)
 
     target, absorbed, usec_per_event = await _event_rate(client, pubs, fakes, rng, args)
+    replayed = None
+    if replay and args.replay_seconds > 0:
+        replayed = await run_replay(client, FakeReplica, n, H200_EVENTS_PER_S, args.replay_seconds, sink.ns, rng,
+                                    node_usec, urlsplit(url).password)
     await index.close()
     await client.aclose()
     lat.sort()
@@ -209,9 +275,13 @@ async def run_fleet(url: str, n: int, args) -> FleetResult:
         decision_p99_ms=lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, redis_us_per_decision=redis_us,
         router_us_per_decision=cpu / decisions * 1e6,
         decisions_per_s_per_redis_core=1e6 / redis_us if redis_us else float("inf"),
-        oracle_fraction=cached / max(1, oracle_blocks(prompts)), busiest_vs_fair=max(per_replica) / (decisions / n),
+        oracle_fraction=cached / max(1, oracle_blocks(prompts, hash_blocks(head, BLOCK, SEED))),
+        busiest_vs_fair=max(per_replica) / (decisions / n),
         redis_bytes_per_cached_block=(mem1 - mem0) / max(1, entries), events_per_s_target=target,
-        events_per_s_absorbed=absorbed, redis_us_per_event=usec_per_event)
+        events_per_s_absorbed=absorbed, redis_us_per_event=usec_per_event,
+        replay=asdict(replayed) if replayed else None,
+        redis_by_command={k: {"calls_per_decision": round(c / decisions, 2), "us_per_decision": round(u / decisions, 2)}
+                          for k, (c, u) in sorted(spent.items(), key=lambda kv: -kv[1][1]) if c})
 
 
 async def _publish_all(pubs: list[ReplicaPublisher]) -> None:
@@ -228,8 +298,9 @@ async def _event_rate(client, pubs, fakes, rng, args) -> tuple[float, float, flo
     events, t0 = 0, time.perf_counter()
     usec0, _ = await redis_stats(client)
     while time.perf_counter() - t0 < args.event_seconds:
-        for f in fakes:
-            f.admit([rng.getrandbits(63) for _ in range(per_tick)])
+        for f in fakes:  # each replica's long sequences grow: their blocks continue a chain
+            f.admit([rng.getrandbits(63) for _ in range(per_tick)], f.stream_position)
+            f.stream_position += per_tick
         events += n * per_tick * 2
         await _publish_all(pubs)
         lag = (time.perf_counter() - t0) - events / target
@@ -241,6 +312,7 @@ async def _event_rate(client, pubs, fakes, rng, args) -> tuple[float, float, flo
 
 
 def run(args) -> int:
+    from services.bench.index_report import median_result, plot, print_result
     from services.commands.processes import Child
     from services.commands.redis_binary import find_redis_server, missing_message
     from services.commands.redis_cluster import LocalRedisCluster, _wait_port
@@ -265,17 +337,20 @@ def run(args) -> int:
     print(f"index benchmark on {where}; {args.cached_blocks} background blocks per replica, "
           f"{args.groups_per_replica} system prompt(s) per replica x {args.questions} questions, "
           f"128-block prompts (4 shared by all, 60 per group)", flush=True)
-    results = []
+    runs: dict[int, list[FleetResult]] = {n: [] for n in sizes}
     try:
-        for n in sizes:
-            r = asyncio.run(run_fleet(url, n, args))
-            results.append(r)
-            print(f"  {n:>5} replicas: decision p50 {r.decision_p50_ms:6.2f} ms p99 {r.decision_p99_ms:6.2f} ms | "
-                  f"Redis {r.redis_us_per_decision:6.1f} us/decision (~{r.decisions_per_s_per_redis_core:,.0f}/s per "
-                  f"core) | router CPU {r.router_us_per_decision:6.0f} us | oracle {r.oracle_fraction:.1%} | busiest "
-                  f"{r.busiest_vs_fair:.2f}x fair | {r.redis_bytes_per_cached_block:.0f} B/block | events "
-                  f"{r.events_per_s_absorbed:,.0f}/s of {r.events_per_s_target:,.0f}/s target, "
-                  f"{r.redis_us_per_event:.2f} us each", flush=True)
+        for p in range(args.passes):  # alternating order: a drift of the machine hits every size alike
+            if args.passes > 1:
+                print(f"  pass {p + 1} of {args.passes}", flush=True)
+            for n in (sizes if p % 2 == 0 else sizes[::-1]):
+                r = asyncio.run(run_fleet(url, n, args, replay=p == 0))
+                runs[n].append(r)
+                print_result(r)
+        results = [median_result(runs[n]) for n in sizes]
+        if args.passes > 1:
+            print(f"  medians of {args.passes} passes:", flush=True)
+            for r in results:
+                print_result(r)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -286,27 +361,5 @@ def run(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
     if args.plot:
-        _plot(results, args.plot)
+        plot(results, args.plot)
     return 0
-
-
-def _plot(results: list[FleetResult], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ns = [r.replicas for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(ns, [r.decision_p99_ms * 1e3 for r in results], "o-", label="decision p99 (us)")
-    ax.plot(ns, [r.decision_p50_ms * 1e3 for r in results], "o-", label="decision p50 (us)")
-    ax.plot(ns, [r.redis_us_per_decision for r in results], "s-", label="Redis CPU per decision (us)")
-    ax.plot(ns, [r.router_us_per_decision for r in results], "^-", label="router CPU per decision (us)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("replicas")
-    ax.set_ylabel("microseconds")
-    ax.set_title("prefix index: cost per routing decision against fleet size")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)

@@ -6,7 +6,8 @@
                             to about CHANGES_MAXLEN entries: routers read only the records that changed
     {ns}tokenizer:{digest}  a model's tokenizer bundle (services.tokenizer), named by the SHA-256 in its
                             replicas' signed records; expires unless a replica of it heartbeats
-    {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block. A stored block
+    {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block, for the chain
+                            positions the index files (services.registry.index_grid). A stored block
                             scores +inf; a claim (a router just sent the prompt there) scores its expiry
 
 The prefix index is inverted (block -> holders), so a routing decision reads a few keys of its own prompt,

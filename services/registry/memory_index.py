@@ -1,13 +1,15 @@
 """The registry and prefix index of `pagedserve serve`: the Redis layout, kept in this process's memory.
 
 It is both the sink the scheduler's publisher writes to and the index the router reads, so the one-
-process mode runs the very routing code of a cluster, without Redis.
+process mode runs the very routing code of a cluster, without Redis; it files and searches the same
+chain positions (services.registry.index_grid).
 """
 
 from __future__ import annotations
 
 import time
 
+from services.registry.index_grid import filed_positions
 from services.registry.model import BlockDelta, ReplicaState
 
 CLAIM_TTL = 10.0
@@ -66,10 +68,11 @@ class MemoryIndex:
             blocks = self._blocks.get(rid, set())
             pending = self._pending.get(rid, {})
             n = 0
-            for h in block_hashes:
+            for p in filed_positions(0, len(block_hashes)):
+                h = block_hashes[p]
                 if h not in blocks and pending.get(h, 0.0) <= now:
                     break
-                n += 1
+                n = p + 1
             out.append(ReplicaState(state.info, state.load, n))
         return out
 
@@ -78,8 +81,8 @@ class MemoryIndex:
         pending = self._pending.setdefault(replica_id, {})
         for h in [h for h, exp in pending.items() if exp <= now]:
             del pending[h]
-        for h in block_hashes[held:]:
-            pending[h] = now + CLAIM_TTL
+        for p in filed_positions(held, len(block_hashes)):
+            pending[block_hashes[p]] = now + CLAIM_TTL
 
     async def close(self) -> None:
         pass

@@ -1,6 +1,8 @@
-"""A scheduler's registry loop: heartbeat with load, and every block it stores or evicts.
+"""A scheduler's registry loop: heartbeat with load, and the blocks it stores or evicts that the index files.
 
-It keeps a mirror of the replica's cached-block set, so an outage loses nothing: events keep being
+Of a chain's blocks only the positions of services.registry.index_grid are filed (the rest would cost the
+index writes and keys without telling a router more than within STRIDE blocks). It keeps a mirror of the
+replica's filed-block set, so an outage loses nothing: events keep being
 absorbed while the sink is unreachable, and once it answers again the whole set is rewritten in one
 transaction (Redis may have restarted empty). Load is published as soon as it changes, not only on the
 heartbeat, because routers balance on it and keep no state of their own.
@@ -13,6 +15,7 @@ import logging
 import time
 from typing import Protocol
 
+from services.registry.index_grid import filed
 from services.registry.model import BlockDelta, RegistrySink, ReplicaInfo, ReplicaLoad, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -23,7 +26,7 @@ class ReplicaSource(Protocol):
 
     def load(self) -> ReplicaLoad: ...
 
-    def drain_kv_events(self) -> list:  # of objects with .kind ("stored"|"removed") and .block_hashes
+    def drain_kv_events(self) -> list:  # of objects with .kind ("stored"|"removed"), .block_hashes, .positions
         ...
 
 
@@ -39,7 +42,8 @@ class ReplicaPublisher:
         self.heartbeat_interval = heartbeat_interval
         self.event_interval = event_interval
         self.ttl = max(3 * heartbeat_interval, 1.0)
-        self._mirror: set[int] = set()
+        self._mirror: set[int] = set()  # the filed blocks it holds
+        self._num_cached = 0  # every block it holds, filed or not
         self._delta = BlockDelta()
         self._resync = True  # first publish replaces whatever a previous run with this id left behind
         self._last_load: ReplicaLoad | None = None
@@ -75,7 +79,7 @@ class ReplicaPublisher:
     async def tick(self) -> None:
         self._absorb(self.source.drain_kv_events())
         load = self.source.load()
-        load.cached_blocks = len(self._mirror)
+        load.cached_blocks = self._num_cached
         resynced = self._resync
         if self._resync:
             if self.tokenizer_bundle is not None and self.info.tokenizer_digest:
@@ -94,6 +98,7 @@ class ReplicaPublisher:
     def reset_blocks(self) -> None:
         """The engine restarted with an empty KV cache: this replica caches nothing any more."""
         self._mirror.clear()
+        self._num_cached = 0
         self._delta = BlockDelta()
         self._resync = True
 
@@ -106,17 +111,23 @@ class ReplicaPublisher:
             log.warning("could not deregister replica %s: %s", self.info.replica_id, exc)
 
     def _absorb(self, events) -> None:
+        mirror, delta = self._mirror, self._delta
         for ev in events:
-            if ev.kind == "stored":
-                for h in ev.block_hashes:
-                    self._mirror.add(h)
-                    self._delta.stored.add(h)
-                    self._delta.removed.discard(h)
-            else:
-                for h in ev.block_hashes:
-                    self._mirror.discard(h)
-                    self._delta.removed.add(h)
-                    self._delta.stored.discard(h)
+            stored = ev.kind == "stored"
+            # Block events are unique (a pool registers or evicts a hash once): a count suffices.
+            self._num_cached += len(ev.block_hashes) if stored else -len(ev.block_hashes)
+            for h, p in zip(ev.block_hashes, ev.positions, strict=True):
+                if not filed(p):
+                    continue
+                if stored:
+                    mirror.add(h)
+                    delta.stored.add(h)
+                    delta.removed.discard(h)
+                else:
+                    mirror.discard(h)
+                    delta.removed.add(h)
+                    delta.stored.discard(h)
+        self._num_cached = max(0, self._num_cached)
 
     def _load_changed(self, load: ReplicaLoad) -> bool:
         last = self._last_load

@@ -100,14 +100,16 @@ class RedisSink:
                                approximate=True)
 
     async def _file(self, gen: int, stored, removed) -> None:
-        member = str(gen)
-        ops = [(True, h) for h in stored] + [(False, h) for h in removed]
-        for i in range(0, len(ops), _CHUNK):
+        commands = block_commands(self.ns, gen, stored, removed)
+        for i in range(0, len(commands), _CHUNK):
             pipe = self.client.pipeline(transaction=False)
-            for add, h in ops[i:i + _CHUNK]:
-                key = keys.block_key(self.ns, h)
-                if add:
-                    pipe.zadd(key, {member: keys.STORED})
-                else:
-                    pipe.zrem(key, member)
+            for args in commands[i:i + _CHUNK]:
+                pipe.execute_command(*args)
             await pipe.execute()
+
+
+def block_commands(ns: str, gen: int, stored, removed) -> list[tuple[str, ...]]:
+    """The index writes for blocks stored and removed under a generation: one single-key command each."""
+    member = str(gen)
+    return ([("ZADD", keys.block_key(ns, h), keys.STORED, member) for h in stored]
+            + [("ZREM", keys.block_key(ns, h), member) for h in removed])

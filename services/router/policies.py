@@ -55,8 +55,12 @@ class RouteRequest:
 
     @property
     def key(self) -> str:
-        """What rendezvous hashing spreads on: the prompt's first block, else its length."""
-        return str(self.block_hashes[0]) if self.block_hashes else f"len:{self.prompt_tokens}"
+        """What rendezvous hashing spreads on: the shallowest prefix worth sharing (useful_blocks), else the
+        length. Not the first block: a chat-template header every prompt starts with would send every tie
+        to one replica (`bench index` put 1.9x the fair share on it once caches were full)."""
+        if not self.block_hashes:
+            return f"len:{self.prompt_tokens}"
+        return str(self.block_hashes[min(len(self.block_hashes), useful_blocks(self)) - 1])
 
 
 def rendezvous(key: str, replica_id: str) -> int:

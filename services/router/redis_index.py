@@ -1,16 +1,15 @@
 """The router's prefix index on Redis (one node or a cluster): which replicas hold a prompt's leading blocks.
 
-The index is inverted (services.registry.keys: block hash -> generations holding it), and a replica's
-cached set is prefix-closed along each hash chain (its engine evicts a sequence's tail before its
-prefix, and a router claims a prompt's blocks together). So the number of replicas holding block i of a
-prompt never grows with i, and the longest cached prefix is found by a K-ary search over the prompt's
-chained hashes: a few pipelined ZCOUNTs per round, O(log_K prompt blocks) rounds (first over every
-STRIDE-th block, where claims are filed, then within one stride). The holders of that
-prefix are then read from one key, and the search goes on to the next shallower prefix that more
-replicas hold (up to LEVELS depths, so a busy holder of the longest prefix has exact runners-up); dead
-replicas and superseded generations among the holders are skipped by the router. Work per decision
-is O(prompt blocks) at worst and never depends on the number of replicas; replica records and load come
-from ReplicaRecords, in memory.
+The index is inverted (services.registry.keys: block hash -> generations holding it) and files only the
+chain positions of services.registry.index_grid. A replica's cached set is prefix-closed along each hash
+chain (its engine evicts a sequence's tail before its prefix, and a router claims a prompt's blocks
+together), so the number of replicas holding the block at position i of a prompt never grows with i, and
+the deepest filed position held is found by a K-ary search over the prompt's filed positions: PROBES
+pipelined ZCOUNTs per round, O(log_PROBES prompt blocks) rounds. The holders of that prefix are then read
+from one key, and the search goes on to the next shallower prefix that more replicas hold (up to LEVELS
+depths, so a busy holder of the longest prefix has exact runners-up); dead replicas and superseded
+generations among the holders are skipped by the router. Work per decision is O(prompt blocks) at worst
+and never depends on the number of replicas; replica records and load come from ReplicaRecords, in memory.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import time
 from redis.asyncio import Redis
 
 from services.registry import keys
+from services.registry.index_grid import filed_positions
 from services.registry.model import ReplicaState, Signer
 from services.router.replica_records import ReplicaRecords
 
@@ -27,7 +27,6 @@ from services.router.replica_records import ReplicaRecords
 MAX_HASHES = 4096
 CLAIM_TTL_MS = 10_000
 PROBES = 4  # ZCOUNTs per search round: 16 cost a third more Redis CPU per decision for one round trip less
-STRIDE = 8  # claims are filed on every STRIDE-th block: a claimed prefix is found to within STRIDE blocks
 LEVELS = 3  # distinct prefix depths read per decision (the deepest with a live holder is what counts)
 HOLDERS = 64  # holders read at one depth: beyond that, a deterministic subset (any of them is as good)
 RECORD_REFRESH = 0.25
@@ -65,10 +64,12 @@ class RedisIndex:
         now = int(time.time() * 1000)
         counts: dict[int, int] = {}
         found: dict[int, int] = {}
-        hi, floor = len(hashes), 0
+        # Positions shallower than the policy acts on are never probed: that is where a header every
+        # replica holds lives, in keys with a member per replica.
+        lo, hi, floor = max(0, min_blocks - 1), len(hashes), 0
         for _ in range(LEVELS):
-            depth = await self._deepest(hashes, hi, floor, counts, now)
-            if depth < max(0, min_blocks - 1):
+            depth = await self._search(hashes, filed_positions(lo, hi), floor, counts, now)
+            if depth < 0:
                 break
             members = await self.client.zrangebyscore(keys.block_key(self.ns, hashes[depth]), now, "+inf",
                                                       start=0, num=HOLDERS)
@@ -81,17 +82,9 @@ class RedisIndex:
             hi, floor = depth, counts[depth]  # replicas holding a shorter prefix: the next level up
         return found
 
-    async def _deepest(self, hashes: list[int], hi: int, floor: int, counts: dict[int, int], now: int) -> int:
-        """The deepest position below hi whose block more than `floor` generations hold (-1: none), given
-        that counts never grow with depth: first on the claim grid, then between two grid positions."""
-        grid = list(range(STRIDE - 1, hi, STRIDE))
-        g = await self._search(hashes, grid, floor, counts, now)
-        gap = list(range(g + 1, min(g + STRIDE, hi)))
-        deeper = await self._search(hashes, gap, floor, counts, now)
-        return max(g, deeper)
-
     async def _search(self, hashes: list[int], cand: list[int], floor: int, counts: dict[int, int], now: int) -> int:
-        """K-ary search along positions `cand` (counts non-increasing along it): PROBES ZCOUNTs per round."""
+        """The deepest of positions `cand` whose block more than `floor` generations hold (-1: none), given
+        that counts never grow with depth: a K-ary search, PROBES ZCOUNTs per round."""
         lo, hi, best = 0, len(cand), -1
         while lo < hi:
             n = hi - lo
@@ -117,13 +110,13 @@ class RedisIndex:
             counts[p] = int(c)
 
     async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
-        """File the prompt's blocks from `held` on under the replica's generation until they expire, on the
-        claim grid (every STRIDE-th block and the last: the search probes the grid first) so any router's
-        next request with this prefix follows it. A stored entry stays stored: ZADD GT never lowers +inf."""
+        """File the prompt's blocks from `held` on (at the filed positions) under the replica's generation
+        until they expire, so any router's next request with this prefix follows it. A stored entry stays
+        stored: ZADD GT never lowers +inf."""
         i = self.records.position.get(replica_id)
         gen = self.records.states[i].info.generation if i is not None else 0
         hashes = block_hashes[:MAX_HASHES]
-        positions = [p for p in range(held, len(hashes)) if p % STRIDE == STRIDE - 1 or p == len(hashes) - 1]
+        positions = filed_positions(held, len(hashes))
         if not positions or not gen:
             return
         expiry = int(time.time() * 1000) + CLAIM_TTL_MS

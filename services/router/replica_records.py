@@ -2,8 +2,9 @@
 
 Records are read in the background every `refresh` seconds, never per routing decision: only those
 that changed since the last read (the registry's change stream, services.registry.keys), so a refresh
-costs O(changes), not O(replicas); every FULL_READ_EVERY seconds all of them (a replica that died writes
-no change: its record just expires). Each distinct record is verified once, and looked up by replica id
+costs O(changes), not O(replicas). A replica that died writes no change (its record just expires), so
+every FULL_READ_EVERY seconds one EXISTS over the known records checks they all still exist, and only if
+one is gone are all of them read again. Each distinct record is verified once, and looked up by replica id
 or by index generation. With refresh=0 every call re-reads them all (tests that need the registry's
 latest word at once).
 """
@@ -21,8 +22,9 @@ from services.registry.model import ReplicaState, Signer, UntrustedRecord
 
 log = logging.getLogger(__name__)
 
-CHUNK = 50  # records read per command (and parsed between two yields to the event loop)
-FULL_READ_EVERY = 2.0  # seconds between two reads of every record
+CHUNK = 10  # records read per command (and parsed between two yields to the event loop)
+FULL_READ_EVERY = 2.0  # seconds between two checks that every record still exists (a read of all if not)
+EXISTS_CHUNK = 1000  # record keys per EXISTS
 
 
 class ReplicaRecords:
@@ -69,8 +71,10 @@ class ReplicaRecords:
         """The records written or removed since the last read; all of them when a full read is due or the
         stream was trimmed past this router's position."""
         if time.monotonic() - self._full_at >= FULL_READ_EVERY:
-            await self.read()
-            return
+            if await self._any_gone():
+                await self.read()
+                return
+            self._full_at = time.monotonic()  # every record known still exists: changes say the rest
         pipe = self.client.pipeline(transaction=False)
         stream = keys.changes_key(self.ns)
         pipe.xrange(stream, "-", "+", count=1)
@@ -90,6 +94,18 @@ class ReplicaRecords:
         by_id.update((s.info.replica_id, s) for s in fresh)
         self._install([by_id[rid] for rid in sorted(by_id)])
         self._last_change = _entry_id(changes[-1])
+
+    async def _any_gone(self) -> bool:
+        """Whether a record this router holds has expired or been removed: one EXISTS over their keys (a
+        cluster client splits it by slot), whose reply is one integer, instead of every record's bytes.
+        A replica that joined is not missed: its first write appends to the change stream."""
+        ids = [s.info.replica_id for s in self.states]
+        if not ids:
+            return True
+        present = 0
+        for i in range(0, len(ids), EXISTS_CHUNK):
+            present += await self.client.exists(*[keys.replica_key(self.ns, rid) for rid in ids[i:i + EXISTS_CHUNK]])
+        return present < len(ids)
 
     async def _read_ids(self, ids: list[str]) -> tuple[list[ReplicaState], list[str]]:
         states, gone = [], []

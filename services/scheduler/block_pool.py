@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "position", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.position = 0  # the block's index in its hash chain (meaningful while block_hash is set)
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
@@ -73,6 +74,7 @@ class KVEvent:
 
     kind: str  # "stored" or "removed"
     block_hashes: list[int]
+    positions: list[int]  # each block's index in its chain: the index files only some (index_grid)
 
 
 class BlockPool:
@@ -114,7 +116,7 @@ class BlockPool:
         if self.cached.get(h) is block:
             del self.cached[h]
             if self._on_event:
-                self._on_event(KVEvent("removed", [h]))
+                self._on_event(KVEvent("removed", [h], [block.position]))
         block.block_hash = None
         self.num_cached_free -= 1
 
@@ -141,16 +143,17 @@ class BlockPool:
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
-    def register(self, block: KVBlock, block_hash: int) -> None:
-        """Record that `block` (in use, just filled) holds the content with this hash."""
+    def register(self, block: KVBlock, block_hash: int, position: int) -> None:
+        """Record that `block` (in use, just filled) holds the content with this hash, at this index of
+        its chain."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # another request computed the same block first; this copy stays private
-        block.block_hash = block_hash
+        block.block_hash, block.position = block_hash, position
         self.cached[block_hash] = block
         if self._on_event:
-            self._on_event(KVEvent("stored", [block_hash]))
+            self._on_event(KVEvent("stored", [block_hash], [position]))
 
     def reset_cache(self) -> None:
         """Forget every cached-but-free block (e.g. after an engine restart lost the KV tensors)."""
@@ -161,7 +164,7 @@ class BlockPool:
                 del self.cached[h]
                 block.block_hash = None
                 if self._on_event:
-                    self._on_event(KVEvent("removed", [h]))
+                    self._on_event(KVEvent("removed", [h], [block.position]))
 
     # -- accounting -------------------------------------------------------------------------
     @property

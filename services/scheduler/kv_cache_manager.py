@@ -111,7 +111,7 @@ class KVCacheManager:
         for i in range(n_full - 1, -1, -1):
             if table[i].block_hash is not None:
                 break  # everything before it was registered earlier
-            self.pool.register(table[i], req.block_hashes[i])
+            self.pool.register(table[i], req.block_hashes[i], i)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.tables[parent.seq_id]

@@ -36,7 +36,9 @@ def test_mixed_adapters_and_base_tokens_match_torch(gen, parts):
     scales = torch.tensor([2.0, 0.5, 1.0])
     want = reference(x, out, a, b, token_slots, scales, parts, r)
     lora_apply(x, out, a, b, token_slots, scales, parts, r)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # float32 sums in another order: terms reach ~50 here (x.a sums 72 products, then b.xa 8 more), so an
+    # element that cancels to near 0 carries ~1e-5 of absolute rounding; atol follows the terms' scale.
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-4)
     assert torch.equal(out[1], want[1]) and torch.equal(out[5], want[5])  # base tokens untouched
 
 

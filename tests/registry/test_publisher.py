@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.block_hash import hash_blocks, model_hash_seed
+from services.registry.index_grid import STRIDE, filed_positions
 from services.registry.memory_index import MemoryIndex
 from services.registry.model import ReplicaInfo, ReplicaLoad
 from services.registry.publisher import ReplicaPublisher
@@ -22,6 +23,12 @@ SEED = model_hash_seed("m", 4)
 class KVEvent:
     kind: str
     block_hashes: list[int]
+    positions: list[int]
+
+
+def event(kind: str, hashes: list[int], start: int = 0) -> KVEvent:
+    """A scheduler's event for the chain positions start, start + 1, ..."""
+    return KVEvent(kind, hashes, list(range(start, start + len(hashes))))
 
 
 @dataclass
@@ -61,26 +68,28 @@ def backend(request):
 
 def test_snapshot_counts_leading_cached_blocks_per_replica(backend):
     sink, index = backend
-    prompt = list(range(40))  # 10 blocks of 4
+    prompt = list(range(96))  # 24 blocks of 4: filed are positions 0-7, 15 and 23 (index_grid)
     hashes = hash_blocks(prompt, 4, SEED)
 
     async def scenario():
         a, b = FakeReplica(), FakeReplica(ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5))
         pub_a, pub_b = ReplicaPublisher(sink, _info("a"), a), ReplicaPublisher(sink, _info("b"), b)
-        a.events.append(KVEvent("stored", hashes[:6]))
-        b.events.append(KVEvent("stored", hashes[:8]))
+        a.events.append(event("stored", hashes[:6]))
+        b.events.append(event("stored", hashes[:20]))
         await pub_a.tick()
         await pub_b.tick()
         states = {s.info.replica_id: s for s in await index.snapshot(hashes)}
-        assert states["a"].matched_blocks == 6 and states["b"].matched_blocks == 8
+        # Exact within the dense head; beyond it, to the deepest filed position held (b holds 20: 16).
+        assert states["a"].matched_blocks == 6 and states["b"].matched_blocks == 16
         assert states["b"].load.requests == 5 and states["b"].info.url == "http://b"
+        assert states["b"].load.cached_blocks == 20  # every block it holds, filed or not
 
-        a.events.append(KVEvent("removed", hashes[4:6]))  # engines evict a chain's tail first
+        a.events.append(event("removed", hashes[4:6], 4))  # engines evict a chain's tail first
         await pub_a.tick()
         assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)}["a"] == 4
 
-        await index.claim("b", hashes[:9])  # a router just sent this prompt to b
-        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)}["b"] == 9
+        await index.claim("b", hashes, 16)  # a router just sent this prompt to b
+        assert {s.info.replica_id: s.matched_blocks for s in await index.snapshot(hashes)}["b"] == 24
         assert {s.matched_blocks for s in await index.snapshot([])} == {0}
 
         pub_b.reset_blocks()  # b's engine restarted: its cache and the claims on it are gone
@@ -89,6 +98,27 @@ def test_snapshot_counts_leading_cached_blocks_per_replica(backend):
 
         await pub_a.close()
         assert [s.info.replica_id for s in await index.snapshot(hashes)] == ["b"]
+
+    asyncio.run(scenario())
+
+
+def test_blocks_off_the_grid_are_never_written(backend):
+    """Of a long chain only the filed positions reach the index: one write in STRIDE beyond the head."""
+    sink, index = backend
+    hashes = hash_blocks(list(range(4 * 200)), 4, SEED)
+
+    async def scenario():
+        a = FakeReplica()
+        pub = ReplicaPublisher(sink, _info("a"), a)
+        a.events.append(event("stored", hashes[104:200], 104))  # a long sequence's later blocks
+        await pub.tick()
+        assert pub._mirror == {hashes[p] for p in filed_positions(104, 200)}
+        assert len(pub._mirror) == 96 // STRIDE
+        a.events.append(event("stored", hashes[:104]))
+        await pub.tick()
+        assert {s.matched_blocks for s in await index.snapshot(hashes)} == {200}
+        assert {s.matched_blocks for s in await index.snapshot(hashes[:198])} == {192}
+        await pub.close()
 
     asyncio.run(scenario())
 
@@ -115,10 +145,10 @@ def test_publisher_survives_redis_outage_and_resyncs_blocks(private_redis):
     async def scenario():
         pub = ReplicaPublisher(sink, _info("a"), replica, heartbeat_interval=0.1, event_interval=0.02)
         task = asyncio.create_task(pub.run())
-        replica.events.append(KVEvent("stored", hashes[:3]))
+        replica.events.append(event("stored", hashes[:3]))
         await asyncio.sleep(0.2)
         private_redis.stop()  # Redis dies, and comes back empty
-        replica.events.append(KVEvent("stored", hashes[3:6]))
+        replica.events.append(event("stored", hashes[3:6], 3))
         await asyncio.sleep(0.3)
         private_redis.start()
         for _ in range(100):

@@ -87,6 +87,37 @@ def test_an_expired_record_goes_at_the_next_full_read(redis_server, monkeypatch)
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("where", ["redis_server", "redis_cluster"])
+def test_a_full_read_is_one_exists_while_every_record_lives(where, request, monkeypatch):
+    """Checking for dead replicas costs one EXISTS (an integer back), not every record's bytes."""
+    url = request.getfixturevalue(where).url
+
+    async def scenario():
+        client = connect(url)
+        sink = RedisSink(client)
+        for i in range(30):
+            await sink.write_state(state(f"r{i:02d}"), ttl=60)
+        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+        await records.read()
+        monkeypatch.setattr(replica_records, "FULL_READ_EVERY", 0.0)
+        reads = []
+        real = records._read_ids
+
+        async def counting(ids):
+            reads.append(len(ids))
+            return await real(ids)
+
+        records._read_ids = counting
+        await records.refresh_changed()
+        assert reads == [] and len(records.states) == 30
+        await client.delete(keys.replica_key(keys.DEFAULT_NAMESPACE, "r05"))  # gone without a change
+        await records.refresh_changed()
+        assert reads == [30] and "r05" not in records.position and len(records.states) == 29
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 async def one_replica_read(url: str) -> tuple:
     """A client, a sink that wrote replica "a", and records that have read it (refreshed only by hand)."""
     client = connect(url)

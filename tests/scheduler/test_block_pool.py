@@ -95,8 +95,8 @@ TestBlockPoolProperties.settings = settings(max_examples=60, stateful_step_count
 def test_free_queue_is_lru_and_o1():
     pool = BlockPool(4)
     a, b = pool.allocate(), pool.allocate()
-    pool.register(a, 111)
-    pool.register(b, 222)
+    pool.register(a, 111, 0)
+    pool.register(b, 222, 1)
     pool.free(b)  # b freed first -> evicted first
     pool.free(a)
     pool.check_invariants()
