@@ -27,7 +27,7 @@ from services.registry.model import ReplicaInfo, ReplicaLoad
 from services.registry.publisher import ReplicaPublisher
 from services.registry.redis_sink import RedisSink, connect
 from services.router.metrics import RouterMetrics
-from services.router.policies import PrefixPolicy, RouteRequest, useful_blocks
+from services.router.policies import RANKED, PrefixPolicy, RouteRequest, useful_blocks
 from services.router.redis_index import RedisIndex
 from services.router.replicas import ReplicaView
 
@@ -198,8 +198,9 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     await (client.flushall(target_nodes="primaries") if _is_cluster(client) else client.flushall())
     sink = RedisSink(client)
     fakes = [FakeReplica(args.capacity) for _ in range(n)]
-    pubs = [ReplicaPublisher(sink, ReplicaInfo(f"replica-{i}", f"http://replica-{i}", "m", BLOCK, 8192, 8, SEED),
-                             f, heartbeat_interval=3600) for i, f in enumerate(fakes)]
+    infos = [ReplicaInfo(f"replica-{i}", f"http://replica-{i}", "m", BLOCK, 8192, 8, SEED) for i in range(n)]
+    identity = infos[0].identity
+    pubs = [ReplicaPublisher(sink, info, f, heartbeat_interval=3600) for info, f in zip(infos, fakes, strict=True)]
     _, mem0 = await redis_stats(client)
     head = header_tokens(rng)
     for f in fakes:  # background cache content: chains nobody asks for, and the header (a warm fleet)
@@ -231,7 +232,8 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     for k, hashes in enumerate(prompts):
         t0, c0 = time.perf_counter(), time.process_time()
         route = RouteRequest(hashes, len(hashes) * BLOCK, BLOCK)
-        live = await view.snapshot(hashes, useful_blocks(route))  # as the router's decision does
+        # As the router's decision does (RouterService._pick): the prompt's holders and the least loaded.
+        live, _ = await view.shortlist(hashes, useful_blocks(route), identity, RANKED)
         ranked = policy.rank(live, route)
         lat.append(time.perf_counter() - t0)
         cpu += time.process_time() - c0

@@ -76,6 +76,15 @@ class MemoryIndex:
             out.append(ReplicaState(state.info, state.load, n))
         return out
 
+    async def lookup(self, block_hashes: list[int], min_blocks: int = 1
+                     ) -> tuple[list[ReplicaState], list[ReplicaState]]:
+        """(every live replica, matches 0; those holding part of the prompt, with their matches)."""
+        states = await self.snapshot(block_hashes, min_blocks)
+        holders = [s for s in states if s.matched_blocks]
+        if holders:
+            states = [ReplicaState(s.info, s.load, 0) if s.matched_blocks else s for s in states]
+        return states, holders
+
     async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
         now = time.monotonic()
         pending = self._pending.setdefault(replica_id, {})

@@ -204,6 +204,17 @@ class SessionPolicy:
                                                                         r.info.replica_id))
 
 
+def shortlists(policy, req: RouteRequest) -> bool:
+    """Whether `policy` chooses for `req` among ReplicaView.shortlist's few replicas what it would among them
+    all: prefix and least-loaded ranking of a base-model request. Not an adapter's (its load cost differs per
+    replica), and not session or round-robin routing, which look at every replica."""
+    if req.adapter is not None:
+        return False
+    if isinstance(policy, SessionPolicy):
+        return not req.session_id
+    return isinstance(policy, PrefixPolicy | LeastLoadedPolicy)
+
+
 def make_policy(name: str):
     policies = {"prefix": PrefixPolicy, "least-loaded": LeastLoadedPolicy, "round-robin": RoundRobinPolicy,
                 "session": SessionPolicy}

@@ -55,6 +55,19 @@ class RedisIndex:
             out[i] = ReplicaState(out[i].info, out[i].load, n)
         return out
 
+    async def lookup(self, block_hashes: list[int], min_blocks: int = 1
+                     ) -> tuple[list[ReplicaState], list[ReplicaState]]:
+        """(every live replica, matches 0: the records' own list, the same object until they change, not to
+        be modified; the holders of the prompt's prefix with their matches): what snapshot() returns, without
+        a copy of the fleet per decision."""
+        await self.records.current()
+        states, position, by_generation = self.records.states, self.records.position, self.records.by_generation
+        hashes = block_hashes[:MAX_HASHES]
+        if not hashes or not states:
+            return states, []
+        found = await self.matches(hashes, position, by_generation, min_blocks)
+        return states, [ReplicaState(states[i].info, states[i].load, n) for i, n in found.items()]
+
     async def matches(self, hashes: list[int], position: dict[str, int],
                       by_generation: dict[int, str], min_blocks: int = 1) -> dict[int, int]:
         """Position of a live replica in the records -> leading blocks of the prompt it holds (or was

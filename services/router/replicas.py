@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from services.openai_api.errors import APIError
-from services.registry.model import ModelIdentity, PrefixIndex, ReplicaInfo, ReplicaLoad, ReplicaState
+from services.registry.model import ModelIdentity, PrefixIndex, ReplicaInfo, ReplicaState
+from services.router.load_order import ORDERS, LoadOrders, least, lifted
 from services.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class ReplicaView:
         # index's catalog_version says a replica joined, left or changed what it serves.
         self._served: dict[str, ServedModel] = {}
         self._catalog_version: object = None
+        self._orders = LoadOrders()
 
     async def resolve(self, model: str) -> ServedModel:
         """What serves `model` (a base model, or an adapter of one) as the registry last said.
@@ -153,21 +155,61 @@ class ReplicaView:
                    if m.adapter is not None])
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
-        states = await self._read(block_hashes, min_blocks)
+        """Every usable replica (healthy, allowed), with the prompt's matches and the local in-flight lifts:
+        for the policies that look at the whole fleet (shortlist serves the others)."""
+        states, holders = await self._read(block_hashes, min_blocks)
+        if holders:
+            by_id = {h.info.replica_id: h for h in holders}
+            states = [by_id.get(s.info.replica_id, s) for s in states]
         if self.filter is None:
             live = [s for s in states if s.load.healthy]
         else:
             allows = self.filter.allows
             live = [s for s in states if s.load.healthy and allows(s.info)]
-        # Local in-flight counts above the published load lift it (one dict lookup per replica: at 1,000
-        # replicas this pass is the router's own O(replicas) share of a decision).
         get = self.inflight.get
         live = [s if get(s.info.replica_id, 0) <= s.load.num_waiting + s.load.num_running
-                else self._with_local_load(s) for s in live]
+                else lifted(s, get(s.info.replica_id, 0)) for s in live]
         self.metrics.healthy_replicas.set(len(live))
         return live
 
-    async def _read(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
+    async def shortlist(self, block_hashes: list[int], min_blocks: int, identity, k: int
+                        ) -> tuple[list[ReplicaState], bool]:
+        """What a prefix or least-loaded policy can choose for this prompt among `identity`'s replicas: the
+        holders of its prefix and the k least loaded in either of the policies' tie orders (with every
+        replica tied with the k-th), lifted by local in-flight counts, none saturated; and whether the model
+        has any usable replica (saturated or not). Ranking this list gives what ranking them all would
+        (load_order), at a cost that does not grow with the fleet."""
+        states, holders = await self._read(block_hashes, min_blocks)
+        self._orders.update(states)
+        order = self._orders.models.get(identity)
+        if order is None or not order.count:
+            return [], False
+        get = self.inflight.get
+        allows = self.filter.allows if self.filter else None
+        picked: dict[str, ReplicaState] = {}
+        for h in holders:
+            h = lifted(h, get(h.info.replica_id, 0))
+            if (h.info.identity == identity and h.load.healthy and not saturated(h)
+                    and (allows is None or allows(h.info))):
+                picked[h.info.replica_id] = h
+        if allows is None:
+            def unusable(s: ReplicaState, requests: float) -> bool:
+                return requests >= saturation_load(s)
+        else:
+            def unusable(s: ReplicaState, requests: float) -> bool:
+                return requests >= saturation_load(s) or not allows(s.info)
+        for ordered, key in zip(order.lists, ORDERS, strict=True):
+            for s in least(ordered, key, k, self.inflight, unusable):
+                picked.setdefault(s.info.replica_id, s)
+        self.metrics.healthy_replicas.set(sum(m.count for m in self._orders.models.values()))
+        # Any usable replica at all (the filter moves on its own, readiness, not with the records): the first
+        # one it allows ends the search.
+        return list(picked.values()), allows is None or any(allows(e[4].info) for e in order.lists[0])
+
+    async def _read(self, block_hashes: list[int], min_blocks: int = 1
+                    ) -> tuple[list[ReplicaState], list[ReplicaState]]:
+        """(every live replica, matches 0: the same list object until the records change; the holders of
+        the prompt's prefix, with their matches)."""
         now = time.monotonic()
         # Tagged with the version from before the read: the states read are at least that new, so the tag
         # is never newer than the catalog (at worst it is derived once more on the next read).
@@ -175,7 +217,7 @@ class ReplicaView:
         if self._index_down and now < self._retry_at:
             return self._fallback()  # do not make every request wait for a dead Redis's timeout
         try:
-            states = await self.index.snapshot(block_hashes, min_blocks)
+            states, holders = await self._lookup(block_hashes, min_blocks)
         except Exception as exc:
             if not self._index_down:
                 log.warning("prefix index unreachable (%s: %s); routing on load only", type(exc).__name__, exc)
@@ -189,19 +231,29 @@ class ReplicaView:
             if self._last:
                 self._last_at = now
         if states or now - self._last_at > EMPTY_GRACE:
-            # Kept with this decision's matches (no per-decision copy of the fleet): the fallback drops them.
             self._last, self._last_at = states, now
             after = getattr(self.index, "catalog_version", None)
             if after is None or after != self._catalog_version:  # O(replicas): not on every decision
                 self._catalog_version = version
                 self._derive_catalog()
-            return states
+            return states, holders
         # Redis restarted empty a moment ago: replicas re-register within a heartbeat; meanwhile the last
         # view serves (retries cover any replica that really went away).
         return self._fallback()
 
-    def _fallback(self) -> list[ReplicaState]:
-        return [ReplicaState(s.info, s.load, 0) for s in self._last]
+    async def _lookup(self, block_hashes: list[int], min_blocks: int) -> tuple[list[ReplicaState], list[ReplicaState]]:
+        lookup = getattr(self.index, "lookup", None)
+        if lookup is not None:
+            return await lookup(block_hashes, min_blocks)
+        # An index with only snapshot(): split it (a pass over the fleet; the registry's own indexes do not).
+        states = await self.index.snapshot(block_hashes, min_blocks)
+        holders = [s for s in states if s.matched_blocks]
+        if holders:
+            states = [ReplicaState(s.info, s.load, 0) if s.matched_blocks else s for s in states]
+        return states, holders
+
+    def _fallback(self) -> tuple[list[ReplicaState], list[ReplicaState]]:
+        return self._last, []
 
     async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
         if self._index_down:
@@ -211,14 +263,9 @@ class ReplicaView:
         except Exception as exc:  # a lost claim only costs one possible cache miss
             log.debug("prefix claim failed: %s", exc)
 
-    def _with_local_load(self, s: ReplicaState) -> ReplicaState:
-        local = self.inflight.get(s.info.replica_id, 0)
-        if local <= s.load.requests:
-            return s
-        load = ReplicaLoad(s.load.num_waiting, local - s.load.num_waiting, s.load.kv_usage, s.load.healthy,
-                           s.load.cached_blocks)
-        return ReplicaState(s.info, load, s.matched_blocks)
+def saturation_load(s: ReplicaState) -> int:
+    return SATURATION_FACTOR * max(1, s.info.capacity)
 
 
 def saturated(s: ReplicaState) -> bool:
-    return s.load.requests >= SATURATION_FACTOR * max(1, s.info.capacity)
+    return s.load.requests >= saturation_load(s)

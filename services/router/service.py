@@ -37,7 +37,7 @@ from services.registry.model import PrefixIndex
 from services.router.admission import ModelQueues
 from services.router.auth import ApiKeys
 from services.router.metrics import RouterMetrics
-from services.router.policies import RouteRequest, make_policy, match_ratio, useful_blocks
+from services.router.policies import RANKED, RouteRequest, make_policy, match_ratio, shortlists, useful_blocks
 from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, ServedModel, saturated
 from services.router.request_time import RequestTimes
@@ -185,16 +185,20 @@ class RouterService:
 
     async def _pick(self, served: ServedModel, route: RouteRequest) -> list | None:
         identity = served.identity
-        snapshot = await self.view.snapshot(route.block_hashes, useful_blocks(route))
-        replicas = [r for r in snapshot if r.info.identity == identity]
-        for r in replicas:
-            self._model_of[r.info.replica_id] = identity.model
-        if not replicas:
+        if shortlists(self.policy, route):
+            open_, any_usable = await self.view.shortlist(route.block_hashes, useful_blocks(route), identity, RANKED)
+        else:
+            snapshot = await self.view.snapshot(route.block_hashes, useful_blocks(route))
+            replicas = [r for r in snapshot if r.info.identity == identity]
+            any_usable, open_ = bool(replicas), [r for r in replicas if not saturated(r)]
+        if not any_usable:
             raise NoReplicasError(f"no healthy replica of {served.adapter or identity.model} is registered")
-        open_ = [r for r in replicas if not saturated(r)]
         if not open_:
             return None
-        return self.policy.rank(open_, route)
+        ranked = self.policy.rank(open_, route)
+        for r in ranked:  # the proxy goes to these only
+            self._model_of[r.info.replica_id] = identity.model
+        return ranked
 
     def _started(self, replica_id: str) -> None:
         self.view.inflight[replica_id] += 1

@@ -1,0 +1,153 @@
+"""Each model's replicas in the orders the policies rank loads by, kept up to date as records change, so a
+routing decision reads the few least-loaded replicas and the prompt's holders instead of the fleet.
+
+PrefixPolicy and LeastLoadedPolicy pick, besides the holders of the prompt's prefix, the k replicas of
+smallest (load, kv_usage, cached_blocks) or (load, cached_blocks, kv_usage), ties among exact equals broken
+by rendezvous hashing. A decision's load is the published one lifted by the router's own requests in flight
+(never lowered), so scanning an order sorted by published key finds the k smallest lifted keys exactly: once
+the next replica's published key exceeds the k-th smallest lifted key seen, no later one can beat it. The
+scan passes over the k, the replicas tied with the k-th, and those this router lifted since their last
+publish (a cheap check each): not the fleet. When records change, only the changed replicas move in the
+orders (found by object identity: ReplicaRecords keeps an unchanged record's state object).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.registry.model import ModelIdentity, ReplicaLoad, ReplicaState
+
+# (load, first tie key, second tie key, replica id, state): unique by id, so never compared past it.
+Entry = tuple
+
+
+def by_kv(load: ReplicaLoad, requests: float) -> tuple:
+    return (requests, load.kv_usage, load.cached_blocks)
+
+
+def by_cached(load: ReplicaLoad, requests: float) -> tuple:
+    return (requests, load.cached_blocks, load.kv_usage)
+
+
+ORDERS = (by_kv, by_cached)
+# Beyond this share of the records changed at once, sorting afresh is cheaper than moving each.
+REBUILD_SHARE = 0.25
+
+
+@dataclass
+class ModelOrder:
+    """One model's healthy replicas, sorted by each of ORDERS on published loads."""
+
+    lists: tuple[list[Entry], ...] = field(default_factory=lambda: tuple([] for _ in ORDERS))
+    entries: dict[str, tuple[Entry, ...]] = field(default_factory=dict)  # replica id -> its entry per order
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
+
+    def add(self, s: ReplicaState, sort: bool = True) -> None:
+        rid, req = s.info.replica_id, s.load.requests
+        es = tuple((*key(s.load, req), rid, s) for key in ORDERS)
+        self.entries[rid] = es
+        for lst, e in zip(self.lists, es, strict=True):
+            if sort:
+                insort(lst, e)
+            else:
+                lst.append(e)
+
+    def remove(self, rid: str) -> None:
+        for lst, e in zip(self.lists, self.entries.pop(rid), strict=True):
+            del lst[bisect_left(lst, e)]
+
+
+class LoadOrders:
+    """Every model's ModelOrder over the healthy replicas of the records last given (a filter that changes
+    on its own, like Kubernetes readiness, is applied by the scan instead)."""
+
+    def __init__(self) -> None:
+        self.models: dict[ModelIdentity, ModelOrder] = {}
+        self._of: list[ReplicaState] | None = None  # the records these orders reflect
+        self._model_of: dict[str, ModelIdentity] = {}
+        self._state_of: dict[str, ReplicaState] = {}
+
+    def update(self, states: list[ReplicaState]) -> None:
+        """Reflect these records (a no-op for the list already reflected)."""
+        if states is self._of:
+            return
+        old = self._state_of
+        new = {s.info.replica_id: s for s in states}
+        changed = [s for rid, s in new.items() if old.get(rid) is not s]
+        gone = [rid for rid in old if rid not in new]
+        if self._of is None or len(changed) + len(gone) > REBUILD_SHARE * max(1, len(states)):
+            self._rebuild(states)
+        else:
+            for rid in gone:
+                self._drop(rid)
+            for s in changed:
+                self._drop(s.info.replica_id)
+                self._put(s, sort=True)
+        self._of, self._state_of = states, new
+
+    def _rebuild(self, states: list[ReplicaState]) -> None:
+        self.models, self._model_of = {}, {}
+        for s in states:
+            self._put(s, sort=False)
+        for m in self.models.values():
+            for lst in m.lists:
+                lst.sort()
+
+    def _put(self, s: ReplicaState, sort: bool) -> None:
+        if not s.load.healthy:
+            return
+        identity = s.info.identity
+        self.models.setdefault(identity, ModelOrder()).add(s, sort)
+        self._model_of[s.info.replica_id] = identity
+
+    def _drop(self, rid: str) -> None:
+        identity = self._model_of.pop(rid, None)
+        if identity is not None:
+            self.models[identity].remove(rid)
+
+
+def lifted(s: ReplicaState, inflight: int) -> ReplicaState:
+    """`s` with the router's own requests in flight, where they exceed what it published."""
+    if inflight <= s.load.requests:
+        return s
+    load = ReplicaLoad(s.load.num_waiting, inflight - s.load.num_waiting, s.load.kv_usage, s.load.healthy,
+                       s.load.cached_blocks)
+    return ReplicaState(s.info, load, s.matched_blocks)
+
+
+def least(order: list[Entry], key: Callable[[ReplicaLoad, float], tuple], k: int, inflight: dict[str, int],
+          unusable: Callable[[ReplicaState, float], bool]) -> list[ReplicaState]:
+    """The k replicas of smallest lifted key that are not unusable(state, lifted load) (saturated, or not
+    allowed now), and every one tied with the k-th."""
+    best: list[tuple] = []  # the k smallest lifted keys so far, ascending
+    seen: list[tuple[tuple, ReplicaState]] = []
+    get = inflight.get
+    for e in order:
+        if len(best) >= k and e[:3] > best[-1]:
+            break
+        s = e[4]
+        req = s.load.requests
+        local = get(e[3], 0)
+        if local > req:  # lifted by this router's requests since its last publish
+            req = local
+            ek = key(s.load, req)
+            if len(best) >= k and ek > best[-1]:
+                continue
+            s = lifted(s, local)
+        else:
+            ek = e[:3]
+        if unusable(s, req):
+            continue
+        seen.append((ek, s))
+        insort(best, ek)
+        if len(best) > k:
+            best.pop()
+    if not best:
+        return []
+    cut = best[-1]
+    return [s for ek, s in seen if ek <= cut]

@@ -1,0 +1,103 @@
+"""ReplicaView.shortlist: the policies choose among the prompt's holders and the few least-loaded replicas
+exactly what they would among the whole fleet, whatever the loads, ties, lifts, health and saturation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.registry.model import ReplicaInfo, ReplicaLoad, ReplicaState
+from services.router.load_order import LoadOrders, by_kv, least
+from services.router.metrics import RouterMetrics
+from services.router.policies import RANKED, LeastLoadedPolicy, PrefixPolicy, RouteRequest, useful_blocks
+from services.router.replicas import ReplicaView, saturated
+
+
+class FixedIndex:
+    """An index whose records are a fixed list (one object while unchanged, as ReplicaRecords keeps it)."""
+
+    def __init__(self, states: list[ReplicaState], holders: list[ReplicaState]):
+        self.states, self.holders = states, holders
+
+    async def lookup(self, block_hashes, min_blocks=1):
+        return self.states, self.holders
+
+    async def snapshot(self, block_hashes, min_blocks=1):
+        by_id = {h.info.replica_id: h for h in self.holders}
+        return [by_id.get(s.info.replica_id, s) for s in self.states]
+
+
+replica = st.tuples(st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.25, 0.5]), st.integers(0, 3),
+                    st.booleans(), st.integers(0, 12), st.sampled_from([0, 0, 0, 8, 16, 40]), st.booleans())
+
+
+class EveryOther:
+    """A replica filter that moves on its own (like readiness): it allows even-numbered replicas."""
+
+    def allows(self, info: ReplicaInfo) -> bool:
+        return int(info.replica_id[1:]) % 2 == 0
+
+
+def _fleet(rows):
+    states, holders, inflight = [], [], {}
+    for i, (waiting, running, kv, cached, healthy, local, matched, other_model) in enumerate(rows):
+        info = ReplicaInfo(f"r{i:02d}", f"http://r{i}", "other" if other_model and i else "m", 16, 4096, 2, 7)
+        s = ReplicaState(info, ReplicaLoad(waiting, running, kv, healthy, cached))
+        states.append(s)
+        if matched:
+            holders.append(ReplicaState(info, s.load, matched))
+        if local:
+            inflight[info.replica_id] = local
+    return states, holders, inflight
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(replica, min_size=1, max_size=40), st.lists(replica, min_size=1, max_size=40),
+       st.booleans(), st.booleans())
+def test_ranking_the_shortlist_equals_ranking_the_fleet(rows, later, prefix, filtered):
+    """Also after the records change (some replicas' loads move, some leave, some join: the orders move only
+    those), and with a filter that allows only some."""
+    route = RouteRequest(list(range(40)), 640, 16)
+    policy = PrefixPolicy() if prefix else LeastLoadedPolicy()
+    index = FixedIndex(*_fleet(rows)[:2])
+    view = ReplicaView(index, RouterMetrics(), EveryOther() if filtered else None)
+
+    async def both(identity):
+        short, any_usable = await view.shortlist(route.block_hashes, useful_blocks(route), identity, RANKED)
+        full = [r for r in await view.snapshot(route.block_hashes, useful_blocks(route)) if r.info.identity == identity]
+        return short, any_usable, full
+
+    for step in (rows, later):
+        states, holders, inflight = _fleet(step)
+        if step is later:  # keep the unchanged replicas' state objects, as ReplicaRecords does
+            old = {s.info.replica_id: s for s in index.states}
+            states = [old[s.info.replica_id] if old.get(s.info.replica_id) == s else s for s in states]
+        index.states, index.holders = states, holders
+        view.inflight.clear()
+        view.inflight.update(inflight)
+        identity = states[0].info.identity
+        short, any_usable, full = asyncio.run(both(identity))
+        assert any_usable == bool(full)
+        open_ = [r for r in full if not saturated(r)]
+        want = [(r.info.replica_id, r.matched_blocks, r.load.requests) for r in policy.rank(open_, route)]
+        got = [(r.info.replica_id, r.matched_blocks, r.load.requests) for r in policy.rank(short, route)]
+        assert got == want
+        assert len(short) <= len(open_)
+
+
+def test_a_large_idle_fleet_is_not_scanned():
+    """900 replicas with distinct loads: the scan stops after the k smallest, whatever the fleet's size."""
+    orders = LoadOrders()
+    orders.update([ReplicaState(ReplicaInfo(f"r{i}", "u", "m", 16, 4096, 8, 1),
+                                ReplicaLoad(0, i % 9, i / 1000, True, i)) for i in range(900)])
+    (order,) = orders.models.values()
+    looked = []
+
+    def unusable(s, requests):
+        looked.append(s)
+        return False
+
+    got = least(order.lists[0], by_kv, 4, {}, unusable)
+    assert [s.load.requests for s in got] == [0, 0, 0, 0] and len(looked) == 4
