@@ -3,12 +3,13 @@ routing decision reads the few least-loaded replicas and the prompt's holders in
 
 PrefixPolicy and LeastLoadedPolicy pick, besides the holders of the prompt's prefix, the k replicas of
 smallest (load, kv_usage, cached_blocks) or (load, cached_blocks, kv_usage), ties among exact equals broken
-by rendezvous hashing. A decision's load is the published one lifted by the router's own requests in flight
-(never lowered), so scanning an order sorted by published key finds the k smallest lifted keys exactly: once
-the next replica's published key exceeds the k-th smallest lifted key seen, no later one can beat it. The
-scan passes over the k, the replicas tied with the k-th, and those this router lifted since their last
-publish (a cheap check each): not the fleet. When records change, only the changed replicas move in the
-orders (found by object identity: ReplicaRecords keeps an unchanged record's state object).
+by rendezvous hashing among the TIE_SAMPLE smallest ids tied with the k-th. A decision's load is the
+published one lifted by the router's own requests in flight (never lowered), so scanning an order sorted by
+published key finds the k smallest lifted keys exactly: once the next replica's published key exceeds the
+k-th smallest lifted key seen, no later one can beat it. The scan passes over the k, at most TIE_SAMPLE + 1
+replicas tied with the k-th, and those this router lifted since their last publish (a cheap check each):
+not the fleet. When records change, only the changed replicas move in the orders (found by object
+identity: ReplicaRecords keeps an unchanged record's state object).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.registry.model import ModelIdentity, ReplicaLoad, ReplicaState
+from services.router.policies import TIE_SAMPLE
 
 # (load, first tie key, second tie key, replica id, state): unique by id, so never compared past it.
 Entry = tuple
@@ -123,10 +125,11 @@ def lifted(s: ReplicaState, inflight: int) -> ReplicaState:
 def least(order: list[Entry], key: Callable[[ReplicaLoad, float], tuple], k: int, inflight: dict[str, int],
           unusable: Callable[[ReplicaState, float], bool]) -> list[ReplicaState]:
     """The k replicas of smallest lifted key that are not unusable(state, lifted load) (saturated, or not
-    allowed now), and every one tied with the k-th."""
+    allowed now), and of those tied with the k-th at least the TIE_SAMPLE + 1 smallest ids."""
     best: list[tuple] = []  # the k smallest lifted keys so far, ascending
     seen: list[tuple[tuple, ReplicaState]] = []
     get = inflight.get
+    tied = 0  # replicas read, not lifted, whose key equals the (then final) cut
     for e in order:
         if len(best) >= k and e[:3] > best[-1]:
             break
@@ -138,11 +141,19 @@ def least(order: list[Entry], key: Callable[[ReplicaLoad, float], tuple], k: int
             ek = key(s.load, req)
             if len(best) >= k and ek > best[-1]:
                 continue
-            s = lifted(s, local)
+            s, static_tie = lifted(s, local), False
         else:
             ek = e[:3]
+            # Once k are found, a published key equal to the cut makes the cut final (later keys are no
+            # smaller), and the policy hashes only the TIE_SAMPLE smallest ids tied with it (one more for the
+            # holder it may skip): in this order they come first.
+            static_tie = len(best) >= k and ek == best[-1]
         if unusable(s, req):
             continue
+        if static_tie:
+            tied += 1
+            if tied > TIE_SAMPLE + 1:
+                break
         seen.append((ek, s))
         insort(best, ek)
         if len(best) > k:

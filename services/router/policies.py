@@ -38,6 +38,10 @@ GUARD_REL = 0.5
 # for ties O(replicas) hashes; instead one pass of plain tuples picks the few, and only ties among
 # those few are hashed.
 RANKED = 4
+# Replicas tied with the k-th that rendezvous hashing chooses among: the TIE_SAMPLE smallest ids. A fleet
+# of idle, equal replicas would otherwise be hashed whole on every request; 16 still spread new prefixes
+# (and several routers' choices) widely, and a decision reads only that many of them (load_order.py).
+TIE_SAMPLE = 16
 # An adapter's load cost where nothing is measured yet: more than any queue, so residency wins; finite, so
 # replicas that must load it still rank among themselves by load.
 UNMEASURED_COST = 1e6
@@ -96,11 +100,15 @@ def effective_loads(replicas: list[ReplicaState], req: RouteRequest) -> list[flo
 
 
 def _top(replicas: list[ReplicaState], req: RouteRequest, keys: list[tuple], k: int) -> list[ReplicaState]:
-    """The k replicas of smallest key (keys[i] is replicas[i]'s), ties broken by rendezvous hashing: only
-    the replicas tied with the k-th are hashed."""
+    """The k replicas of smallest key (keys[i] is replicas[i]'s), ties broken by rendezvous hashing among the
+    TIE_SAMPLE smallest replica ids tied with the k-th: only those are hashed."""
     if len(replicas) > k:
         cut = heapq.nsmallest(k, keys)[-1]
-        picked = [i for i, key in enumerate(keys) if key <= cut]
+        picked = [i for i, key in enumerate(keys) if key < cut]
+        tied = [i for i, key in enumerate(keys) if key == cut]
+        if len(tied) > TIE_SAMPLE:
+            tied = heapq.nsmallest(TIE_SAMPLE, tied, key=lambda i: replicas[i].info.replica_id)
+        picked += tied
     else:
         picked = range(len(replicas))
     picked = sorted(picked, key=lambda i: (keys[i], -rendezvous(req.key, replicas[i].info.replica_id)))

@@ -184,8 +184,11 @@ class ReplicaRecords:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            self._task = None
+            # Awaited, so a read in flight ends here, not against a client its owner closes next (which
+            # logged a false "records unreadable").
+            task, self._task = self._task, None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _text(v) -> str:

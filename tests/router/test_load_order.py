@@ -59,6 +59,22 @@ def _fleet(rows):
 def test_ranking_the_shortlist_equals_ranking_the_fleet(rows, later, prefix, filtered):
     """Also after the records change (some replicas' loads move, some leave, some join: the orders move only
     those), and with a filter that allows only some."""
+    _check(rows, later, prefix, filtered)
+
+
+# Nearly idle, nearly equal replicas: dozens tied exactly, more than TIE_SAMPLE.
+tied_replica = st.tuples(st.integers(0, 1), st.just(0), st.just(0.0), st.just(0), st.just(True), st.integers(0, 1),
+                         st.sampled_from([0] * 9 + [16]), st.just(False))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(tied_replica, min_size=20, max_size=80), st.lists(tied_replica, min_size=20, max_size=80),
+       st.booleans(), st.booleans())
+def test_the_same_among_many_exact_ties(rows, later, prefix, filtered):
+    _check(rows, later, prefix, filtered)
+
+
+def _check(rows, later, prefix, filtered):
     route = RouteRequest(list(range(40)), 640, 16)
     policy = PrefixPolicy() if prefix else LeastLoadedPolicy()
     index = FixedIndex(*_fleet(rows)[:2])
