@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 CHUNK = 10  # records read per command (and parsed between two yields to the event loop)
 FULL_READ_EVERY = 2.0  # seconds between two checks that every record still exists (a read of all if not)
 EXISTS_CHUNK = 1000  # record keys per EXISTS
+CLOSE_WAIT = 5.0  # seconds close() waits for the loop to stop
 
 
 class ReplicaRecords:
@@ -45,6 +46,7 @@ class ReplicaRecords:
         self._catalog: dict[str, tuple[object, tuple]] = {}  # replica id -> (its info, the info's key)
         self._warned: set[str] = set()
         self._task: asyncio.Task | None = None
+        self._closing = False
         self._failing = False
 
     async def current(self) -> list[ReplicaState]:
@@ -171,11 +173,13 @@ class ReplicaRecords:
         return state
 
     async def _loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.refresh)
             try:
                 await self.refresh_changed()
             except Exception as exc:  # the decision path notices the outage itself and degrades
+                if self._closing:  # the client can turn a cancellation into an error: closing wins
+                    return
                 if not self._failing:
                     log.warning("registry records unreadable (%s: %s); keeping the last ones", type(exc).__name__, exc)
                 self._failing = True
@@ -185,10 +189,15 @@ class ReplicaRecords:
     async def close(self) -> None:
         if self._task is not None:
             # Awaited, so a read in flight ends here, not against a client its owner closes next (which
-            # logged a false "records unreadable").
+            # logged a false "records unreadable"); the flag ends the loop even where redis-py's pool
+            # turned the cancellation into an error (it once kept the loop alive), and the wait is bounded.
             task, self._task = self._task, None
+            self._closing = True
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), CLOSE_WAIT)
+            except asyncio.TimeoutError:
+                log.warning("registry records loop did not stop within %.0f s of close", CLOSE_WAIT)
 
 
 def _text(v) -> str:

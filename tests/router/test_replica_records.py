@@ -173,3 +173,30 @@ def test_the_catalog_version_moves_with_what_replicas_serve_not_with_their_load(
                                         ("10-0", "9-0", True)])
 def test_stream_ids_compare_as_numbers(a, b, newer):
     assert replica_records._newer(a, b) is newer
+
+
+def test_close_stops_the_loop_even_when_the_client_turns_cancellation_into_an_error(redis_server):
+    """redis-py's pool can answer a cancellation with an error; the loop must still end on close (it once
+    refreshed on forever and close() waited for it)."""
+
+    async def scenario():
+        client, _, records = await one_replica_read(redis_server.url)
+        records.refresh = 0.01
+        entered = asyncio.Event()
+
+        async def stuck() -> None:
+            entered.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                raise ConnectionError("Connection closed by server.") from None
+
+        records.refresh_changed = stuck
+        await records.current()  # starts the loop
+        await asyncio.wait_for(entered.wait(), 5)
+        task = records._task
+        await asyncio.wait_for(records.close(), 5)
+        assert task.done()
+        await client.aclose()
+
+    asyncio.run(scenario())
