@@ -22,7 +22,8 @@ from services.registry.model import ReplicaState, Signer, UntrustedRecord
 
 log = logging.getLogger(__name__)
 
-CHUNK = 10  # records read per command (and parsed between two yields to the event loop)
+READ_CHUNK = 250  # records read per command
+PARSE_CHUNK = 10  # records parsed between two yields to the event loop
 FULL_READ_EVERY = 2.0  # seconds between two checks that every record still exists (a read of all if not)
 EXISTS_CHUNK = 1000  # record keys per EXISTS
 CLOSE_WAIT = 5.0  # seconds close() waits for the loop to stop
@@ -90,12 +91,41 @@ class ReplicaRecords:
             return
         changed = sorted({_text(fields.get(b"r") or fields.get("r") or b"") for _, fields in changes} - {""})
         fresh, _ = await self._read_ids(changed)
-        by_id = {s.info.replica_id: s for s in self.states}
-        for rid in changed:
-            by_id.pop(rid, None)
-        by_id.update((s.info.replica_id, s) for s in fresh)
-        self._install([by_id[rid] for rid in sorted(by_id)])
+        position = self.position
+        if len(fresh) == len(changed) and all(rid in position for rid in changed):
+            self._replace(fresh)  # the common case: known replicas' loads moved
+        else:
+            by_id = {s.info.replica_id: s for s in self.states}
+            for rid in changed:
+                by_id.pop(rid, None)
+            by_id.update((s.info.replica_id, s) for s in fresh)
+            self._install([by_id[rid] for rid in sorted(by_id)])
         self._last_change = _entry_id(changes[-1])
+
+    def _replace(self, fresh: list[ReplicaState]) -> None:
+        """New records of replicas already known, none joining or leaving: each takes its predecessor's
+        place, so the positions stand and the work is O(changes) besides one C-speed copy of each table
+        (not a rebuild of them from the fleet's records, which at 1,000 replicas took a millisecond of the
+        event loop four times a second)."""
+        states, by_generation = list(self.states), dict(self.by_generation)
+        catalog_changed = False
+        for s in fresh:
+            rid = s.info.replica_id
+            old = states[self.position[rid]]
+            states[self.position[rid]] = s
+            if old.info.generation != s.info.generation:
+                if by_generation.get(old.info.generation) == rid:
+                    del by_generation[old.info.generation]
+                if s.info.generation:
+                    by_generation[s.info.generation] = rid
+            if old.info is not s.info:
+                key = s.info.catalog_key()
+                catalog_changed = catalog_changed or self._catalog[rid][1] != key
+                self._catalog[rid] = (s.info, key)
+        self.states, self.by_generation = states, by_generation
+        if catalog_changed:  # after the swap, as in _install
+            self.catalog_version += 1
+        self.read_at = time.monotonic()
 
     async def _any_gone(self) -> bool:
         """Whether a record this router holds has expired or been removed: one EXISTS over their keys (a
@@ -111,12 +141,14 @@ class ReplicaRecords:
 
     async def _read_ids(self, ids: list[str]) -> tuple[list[ReplicaState], list[str]]:
         states, gone = [], []
-        for i in range(0, len(ids), CHUNK):
-            # A chunk per command and a yield between chunks: at 1,000 replicas one read must not hold the
-            # event loop (and every decision waiting on it) for the whole fleet's parse.
-            chunk = ids[i:i + CHUNK]
+        for i in range(0, len(ids), READ_CHUNK):
+            chunk = ids[i:i + READ_CHUNK]
             raws = await self._mget([keys.replica_key(self.ns, rid) for rid in chunk])
-            for rid, raw in zip(chunk, raws, strict=True):
+            for j, (rid, raw) in enumerate(zip(chunk, raws, strict=True)):
+                # A yield every few records: at 1,000 replicas one read must not hold the event loop (and
+                # every decision waiting on it) for the whole parse, nor pay a round trip per few records.
+                if j and j % PARSE_CHUNK == 0:
+                    await asyncio.sleep(0)
                 if raw is None:
                     gone.append(rid)
                     continue

@@ -200,3 +200,35 @@ def test_close_stops_the_loop_even_when_the_client_turns_cancellation_into_an_er
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_changed_record_takes_its_predecessors_place(redis_server):
+    """A refresh of known replicas replaces them in place: positions stand, generations and the catalog
+    follow the new records."""
+
+    async def scenario():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        for rid in ("a", "b", "c"):
+            await sink.write_state(state(rid), ttl=60)
+        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
+        await records.read()
+        position, version = dict(records.position), records.catalog_version
+        await sink.replace_blocks("b", {1, 2}, ttl=60)  # b resyncs: a new generation in its next record
+        await sink.write_state(state("b", running=4), ttl=60)
+        await records.refresh_changed()
+        b = records.states[records.position["b"]]
+        assert records.position == position and b.load.num_running == 4 and b.info.generation
+        assert records.by_generation == {b.info.generation: "b"}
+        version = records.catalog_version  # a new generation is a new adapter holder: the catalog may move
+        await sink.write_state(state("a", running=2), ttl=60)  # a load change alone does not move it
+        await records.refresh_changed()
+        assert records.catalog_version == version
+        renamed = ReplicaState(ReplicaInfo("c", "http://c", "other-model", 16, 4096, 8, 1), ReplicaLoad(0, 0))
+        await sink.write_state(renamed, ttl=60)
+        await records.refresh_changed()
+        assert records.catalog_version == version + 1
+        assert records.states[records.position["c"]].info.model == "other-model"
+        await client.aclose()
+
+    asyncio.run(scenario())
