@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from services.registry.index_grid import filed_positions
-from services.registry.model import BlockDelta, ReplicaState
+from services.registry.model import BlockDelta, ReplicaState, split_holders
 
 CLAIM_TTL = 10.0
 
@@ -79,11 +79,7 @@ class MemoryIndex:
     async def lookup(self, block_hashes: list[int], min_blocks: int = 1
                      ) -> tuple[list[ReplicaState], list[ReplicaState]]:
         """(every live replica, matches 0; those holding part of the prompt, with their matches)."""
-        states = await self.snapshot(block_hashes, min_blocks)
-        holders = [s for s in states if s.matched_blocks]
-        if holders:
-            states = [ReplicaState(s.info, s.load, 0) if s.matched_blocks else s for s in states]
-        return states, holders
+        return split_holders(await self.snapshot(block_hashes, min_blocks))
 
     async def claim(self, replica_id: str, block_hashes: list[int], held: int = 0) -> None:
         now = time.monotonic()

@@ -91,6 +91,22 @@ class ReplicaState:
         return cls(ReplicaInfo(**d["info"]), ReplicaLoad(**d["load"]), matched_blocks)
 
 
+def split_holders(states: list[ReplicaState]) -> tuple[list[ReplicaState], list[ReplicaState]]:
+    """A snapshot as (every replica with matches 0, the ones that matched): the form routers rank from."""
+    holders = [s for s in states if s.matched_blocks]
+    if holders:
+        states = [ReplicaState(s.info, s.load, 0) if s.matched_blocks else s for s in states]
+    return states, holders
+
+
+def with_holders(states: list[ReplicaState], holders: list[ReplicaState]) -> list[ReplicaState]:
+    """The snapshot split_holders split: every replica, the holders with their matches."""
+    if not holders:
+        return list(states)
+    by_id = {h.info.replica_id: h for h in holders}
+    return [by_id.get(s.info.replica_id, s) for s in states]
+
+
 class UntrustedRecord(ValueError):
     """A registry record nobody holding the internal token wrote: routers ignore it."""
 

@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from services.registry import keys
 from services.registry.index_grid import filed_positions
-from services.registry.model import ReplicaState, Signer
+from services.registry.model import ReplicaState, Signer, with_holders
 from services.router.replica_records import ReplicaRecords
 
 # Enough for a 64k-token prompt at block size 16.
@@ -44,16 +44,7 @@ class RedisIndex:
         return self.records.catalog_version
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
-        await self.records.current()
-        # One consistent set of records for this decision: a background refresh may swap them meanwhile.
-        states, position, by_generation = self.records.states, self.records.position, self.records.by_generation
-        hashes = block_hashes[:MAX_HASHES]
-        if not hashes or not states:
-            return list(states)
-        out = list(states)
-        for i, n in (await self.matches(hashes, position, by_generation, min_blocks)).items():
-            out[i] = ReplicaState(out[i].info, out[i].load, n)
-        return out
+        return with_holders(*await self.lookup(block_hashes, min_blocks))
 
     async def lookup(self, block_hashes: list[int], min_blocks: int = 1
                      ) -> tuple[list[ReplicaState], list[ReplicaState]]:

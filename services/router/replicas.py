@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from services.openai_api.errors import APIError
-from services.registry.model import ModelIdentity, PrefixIndex, ReplicaInfo, ReplicaState
+from services.registry.model import ModelIdentity, PrefixIndex, ReplicaInfo, ReplicaState, split_holders, with_holders
 from services.router.load_order import ORDERS, LoadOrders, least, lifted
 from services.router.metrics import RouterMetrics
 
@@ -157,10 +157,7 @@ class ReplicaView:
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:
         """Every usable replica (healthy, allowed), with the prompt's matches and the local in-flight lifts:
         for the policies that look at the whole fleet (shortlist serves the others)."""
-        states, holders = await self._read(block_hashes, min_blocks)
-        if holders:
-            by_id = {h.info.replica_id: h for h in holders}
-            states = [by_id.get(s.info.replica_id, s) for s in states]
+        states = with_holders(*await self._read(block_hashes, min_blocks))
         if self.filter is None:
             live = [s for s in states if s.load.healthy]
         else:
@@ -246,11 +243,7 @@ class ReplicaView:
         if lookup is not None:
             return await lookup(block_hashes, min_blocks)
         # An index with only snapshot(): split it (a pass over the fleet; the registry's own indexes do not).
-        states = await self.index.snapshot(block_hashes, min_blocks)
-        holders = [s for s in states if s.matched_blocks]
-        if holders:
-            states = [ReplicaState(s.info, s.load, 0) if s.matched_blocks else s for s in states]
-        return states, holders
+        return split_holders(await self.index.snapshot(block_hashes, min_blocks))
 
     def _fallback(self) -> tuple[list[ReplicaState], list[ReplicaState]]:
         return self._last, []

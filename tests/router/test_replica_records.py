@@ -19,13 +19,20 @@ def state(rid: str, running: int = 0) -> ReplicaState:
     return ReplicaState(ReplicaInfo(rid, f"http://{rid}", "m", 16, 4096, 8, 1), ReplicaLoad(0, running))
 
 
-async def _scenario(url: str):
+async def registered(url: str, ids=("a",)) -> tuple:
+    """A client, a sink that wrote these replicas' records, and records that have read them (refreshed
+    only by hand)."""
     client = connect(url)
     sink = RedisSink(client)
-    for i in range(50):
-        await sink.write_state(state(f"r{i:02d}"), ttl=60)
+    for rid in ids:
+        await sink.write_state(state(rid), ttl=60)
     records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
     await records.read()
+    return client, sink, records
+
+
+async def _scenario(url: str):
+    client, sink, records = await registered(url, [f"r{i:02d}" for i in range(50)])
     assert len(records.states) == 50
     await sink.write_state(state("r07", running=5), ttl=60)
     await sink.write_state(state("r99"), ttl=60)  # a new replica
@@ -93,12 +100,7 @@ def test_a_full_read_is_one_exists_while_every_record_lives(where, request, monk
     url = request.getfixturevalue(where).url
 
     async def scenario():
-        client = connect(url)
-        sink = RedisSink(client)
-        for i in range(30):
-            await sink.write_state(state(f"r{i:02d}"), ttl=60)
-        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
-        await records.read()
+        client, _, records = await registered(url, [f"r{i:02d}" for i in range(30)])
         monkeypatch.setattr(replica_records, "FULL_READ_EVERY", 0.0)
         reads = []
         real = records._read_ids
@@ -118,19 +120,9 @@ def test_a_full_read_is_one_exists_while_every_record_lives(where, request, monk
     asyncio.run(scenario())
 
 
-async def one_replica_read(url: str) -> tuple:
-    """A client, a sink that wrote replica "a", and records that have read it (refreshed only by hand)."""
-    client = connect(url)
-    sink = RedisSink(client)
-    await sink.write_state(state("a"), ttl=60)
-    records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
-    await records.read()
-    return client, sink, records
-
-
 def test_a_router_behind_a_trimmed_stream_reads_everything(redis_server):
     async def scenario():
-        client, sink, records = await one_replica_read(redis_server.url)
+        client, sink, records = await registered(redis_server.url)
         await sink.write_state(state("b"), ttl=60)
         await sink.write_state(state("a", running=3), ttl=60)
         # Trim the stream past this router's position (as MAXLEN does when it falls far behind).
@@ -146,7 +138,7 @@ def test_a_router_behind_a_trimmed_stream_reads_everything(redis_server):
 
 def test_the_catalog_version_moves_with_what_replicas_serve_not_with_their_load(redis_server):
     async def scenario():
-        client, sink, records = await one_replica_read(redis_server.url)
+        client, sink, records = await registered(redis_server.url)
         seen = [records.catalog_version]
 
         async def after(write) -> bool:
@@ -180,7 +172,7 @@ def test_close_stops_the_loop_even_when_the_client_turns_cancellation_into_an_er
     refreshed on forever and close() waited for it)."""
 
     async def scenario():
-        client, _, records = await one_replica_read(redis_server.url)
+        client, _, records = await registered(redis_server.url)
         records.refresh = 0.01
         entered = asyncio.Event()
 
@@ -207,12 +199,7 @@ def test_a_changed_record_takes_its_predecessors_place(redis_server):
     follow the new records."""
 
     async def scenario():
-        client = connect(redis_server.url)
-        sink = RedisSink(client)
-        for rid in ("a", "b", "c"):
-            await sink.write_state(state(rid), ttl=60)
-        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
-        await records.read()
+        client, sink, records = await registered(redis_server.url, ("a", "b", "c"))
         position, version = dict(records.position), records.catalog_version
         await sink.replace_blocks("b", {1, 2}, ttl=60)  # b resyncs: a new generation in its next record
         await sink.write_state(state("b", running=4), ttl=60)
