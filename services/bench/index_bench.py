@@ -1,8 +1,9 @@
 """`pagedserve bench index`: the prefix index under a simulated fleet, on real Redis (one node or a cluster).
 
 Per fleet size N: N fake replicas (an LRU prefix cache each, pre-filled with `--cached-blocks` blocks)
-publish real block events through the scheduler's own ReplicaPublisher and RedisSink; a router decides
-through the real RedisIndex and PrefixPolicy on a seeded shared-prefix workload (a header every prompt
+publish real block events through the scheduler's own ReplicaPublisher and RedisSink; a router, in a process
+of its own (index_router), decides through the real RedisIndex and PrefixPolicy on a seeded shared-prefix
+workload (a header every prompt
 shares, one system prompt per group, a unique question), and each request lands in the chosen replica's
 cache, which publishes what it stored and evicted. Measured: decision latency (index read + ranking),
 Redis CPU per decision (INFO commandstats over the decision windows), router CPU per decision, Redis memory
@@ -22,14 +23,11 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from services.bench.index_replay import run_replay
+from services.bench.index_router import RouterProcess
 from services.block_hash import hash_blocks
 from services.registry.model import ReplicaInfo, ReplicaLoad
 from services.registry.publisher import ReplicaPublisher
 from services.registry.redis_sink import RedisSink, connect
-from services.router.metrics import RouterMetrics
-from services.router.policies import RANKED, PrefixPolicy, RouteRequest, useful_blocks
-from services.router.redis_index import RedisIndex
-from services.router.replicas import ReplicaView
 
 BLOCK = 16
 SEED = 1234
@@ -210,9 +208,7 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     _, mem1 = await redis_stats(client)
     entries = sum(len(f.cache) for f in fakes)
 
-    index = RedisIndex(client)
-    view = ReplicaView(index, RouterMetrics())
-    policy = PrefixPolicy()
+    router = RouterProcess(url, identity, BLOCK)
     # Rounds of fresh groups until --min-decisions: at 10 replicas one round is 100 decisions, too few for a
     # p99. Each round is shuffled on its own, so what a round shares stays within it (plus the header).
     groups = max(1, n * args.groups_per_replica)
@@ -221,44 +217,38 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
         prompts += workload(groups, args.questions, rng, head)
         if len(prompts) >= args.min_decisions:
             break
-    lat, cpu, cached = [], 0.0, 0
+    cached = 0
     spent: dict[str, tuple[int, float]] = {}  # Redis commands of the decisions (publishes left out)
     per_replica = [0] * n
     window: deque[tuple[int, int]] = deque()  # requests in flight: (decision that ends it, replica)
     hold = args.hold or 2 * n  # about two requests in flight per replica
     touched: set[int] = set()  # replicas whose cache or load changed since the last publish
-    await view.snapshot([])
-    mark = await command_stats(client)
-    for k, hashes in enumerate(prompts):
-        t0, c0 = time.perf_counter(), time.process_time()
-        route = RouteRequest(hashes, len(hashes) * BLOCK, BLOCK)
-        # As the router's decision does (RouterService._pick): the prompt's holders and the least loaded.
-        live, _ = await view.shortlist(hashes, useful_blocks(route), identity, RANKED)
-        ranked = policy.rank(live, route)
-        lat.append(time.perf_counter() - t0)
-        cpu += time.process_time() - c0
-        chosen = ranked[0]
-        i = int(chosen.info.replica_id.rsplit("-", 1)[1])
-        await view.claim(chosen.info.replica_id, hashes, chosen.matched_blocks)
-        cached += fakes[i].cached_prefix(hashes)
-        fakes[i].admit(hashes)
-        per_replica[i] += 1
-        view.inflight[chosen.info.replica_id] += 1
-        fakes[i].inflight += 1
-        touched.add(i)
-        window.append((k + hold, i))
-        while window and window[0][0] <= k:
-            r = window.popleft()[1]
-            view.inflight[f"replica-{r}"] -= 1
-            fakes[r].inflight -= 1
-            touched.add(r)
-        if k % args.publish_every == args.publish_every - 1:  # the publishers' 20 ms batches
-            spent = _plus(spent, _minus(await command_stats(client), mark))
-            # Whoever stored blocks or whose load moved: a real publisher ticks every 20 ms and publishes a
-            # load change, so a replica a request just left must not look busy until its next event.
-            await _publish_all([pubs[j] for j in sorted(touched)])
-            touched.clear()
-            mark = await command_stats(client)
+    try:
+        mark = await command_stats(client)
+        for k, hashes in enumerate(prompts):
+            rid, _ = router.decide(hashes)  # as RouterService._pick: the prompt's holders and the least loaded
+            i = int(rid.rsplit("-", 1)[1])
+            cached += fakes[i].cached_prefix(hashes)
+            fakes[i].admit(hashes)
+            per_replica[i] += 1
+            fakes[i].inflight += 1
+            touched.add(i)
+            window.append((k + hold, i))
+            while window and window[0][0] <= k:
+                r = window.popleft()[1]
+                router.finished(f"replica-{r}")
+                fakes[r].inflight -= 1
+                touched.add(r)
+            if k % args.publish_every == args.publish_every - 1:  # the publishers' 20 ms batches
+                spent = _plus(spent, _minus(await command_stats(client), mark))
+                # Whoever stored blocks or whose load moved: a real publisher ticks every 20 ms and publishes a
+                # load change, so a replica a request just left must not look busy until its next event.
+                await _publish_all([pubs[j] for j in sorted(touched)])
+                touched.clear()
+                mark = await command_stats(client)
+        totals = router.totals()
+    finally:
+        router.close()
     spent = _plus(spent, _minus(await command_stats(client), mark))
     redis_usec = sum(u for _, u in spent.values())
     decisions = len(prompts)
@@ -268,9 +258,8 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     if replay and args.replay_seconds > 0:
         replayed = await run_replay(client, FakeReplica, n, H200_EVENTS_PER_S, args.replay_seconds, sink.ns, rng,
                                     node_usec, urlsplit(url).password)
-    await index.close()
     await client.aclose()
-    lat.sort()
+    lat, cpu = sorted(totals.latencies_s), totals.cpu_s
     redis_us = redis_usec / decisions
     return FleetResult(
         replicas=n, decisions=decisions, decision_p50_ms=statistics.median(lat) * 1e3,

@@ -3,7 +3,10 @@
     {ns}replicas            SET of replica ids ever registered (stale ids are pruned by readers)
     {ns}replica:{id}        JSON ReplicaState (identity + load + index generation), expires unless heartbeated
     {ns}{records}changes    STREAM of replica ids whose record was written or removed (field "r"), trimmed
-                            to about CHANGES_MAXLEN entries: routers read only the records that changed
+                            to about CHANGES_MAXLEN entries: routers read only the records that changed.
+                            A write that changed only the load also carries it (field "l",
+                            ReplicaLoad.to_compact; "g" the generation; "s" its HMAC): routers apply it
+                            without reading the record
     {ns}tokenizer:{digest}  a model's tokenizer bundle (services.tokenizer), named by the SHA-256 in its
                             replicas' signed records; expires unless a replica of it heartbeats
     {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block, for the chain

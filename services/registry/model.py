@@ -7,6 +7,7 @@ Block hashes are 64-bit unsigned ints (services.block_hash); in Redis they are d
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -63,6 +64,27 @@ class ReplicaLoad:
     @property
     def requests(self) -> int:
         return self.num_waiting + self.num_running
+
+    def to_compact(self) -> str:
+        """The load as the change stream carries it beside a replica's id ("waiting,running,kv,healthy,
+        cached"): a router applies it without reading and parsing the whole record."""
+        return f"{self.num_waiting},{self.num_running},{self.kv_usage!r},{int(self.healthy)},{self.cached_blocks}"
+
+    @classmethod
+    def from_compact(cls, text: str) -> ReplicaLoad:
+        """Raises ValueError on anything to_compact did not write (a negative count, a non-finite usage)."""
+        waiting, running, kv, healthy, cached = text.split(",")
+        load = cls(int(waiting), int(running), float(kv), healthy == "1", int(cached))
+        if min(load.num_waiting, load.num_running, load.cached_blocks) < 0 or not math.isfinite(load.kv_usage) \
+                or healthy not in ("0", "1"):
+            raise ValueError(f"not a load: {text!r}")
+        return load
+
+
+def load_payload(replica_id: str, generation: int, compact: str) -> bytes:
+    """What a load in the change stream is signed over: the replica and generation it belongs to, so a
+    signed load cannot be replayed onto another replica or a later generation."""
+    return f"{replica_id}\n{generation}\n{compact}".encode()
 
 
 @dataclass(slots=True)

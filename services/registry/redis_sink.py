@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from dataclasses import asdict
 
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.model import BlockDelta, ReplicaState, Signer
+from services.registry.model import BlockDelta, ReplicaLoad, ReplicaState, Signer, load_payload
 from services.registry.redis_connect import connect, redacted  # noqa: F401  (the registry's client)
 
 _CHUNK = 4000  # commands per pipeline round trip: keeps single writes small
@@ -39,6 +40,7 @@ class RedisSink:
         self._filed: dict[str, set[int]] = {}  # replica id -> blocks filed under that generation
         self._stale: tuple[int, set[int]] | None = None  # a replaced generation, dropped once unnamed
         self._bundles: dict[str, bytes] = {}  # tokenizer digest -> bundle, re-written if Redis lost it
+        self._written: dict[str, dict] = {}  # replica id -> the info of its last record written (as a dict)
 
     async def write_tokenizer(self, digest: str, bundle: bytes) -> None:
         """Publish a tokenizer bundle under its digest (write_state keeps it alive while records name it)."""
@@ -55,10 +57,13 @@ class RedisSink:
         pipe.set(keys.replica_key(self.ns, rid), ReplicaState(info, state.load).to_json(self.signer),
                  px=int(ttl * 1000))
         pipe.sadd(keys.replicas_key(self.ns), rid)
+        written = asdict(info)  # a copy: a publisher may change its info's adapters in place
+        same_info = self._written.get(rid) == written
         results = await pipe.execute()
+        self._written[rid] = written
         # After the record is written (on a cluster the stream may live on another shard): a router that
-        # sees the change reads the new record.
-        await self._changed(rid)
+        # sees the change reads the new record, or, when only the load moved, takes the load from the entry.
+        await self._changed(rid, (info.generation, state.load) if same_info else None)
         if digest and not results[0]:  # Redis restarted empty since it was written
             await self.write_tokenizer(digest, self._bundles[digest])
         stale, self._stale = self._stale, None
@@ -86,6 +91,7 @@ class RedisSink:
             self._stale = (old_gen, old)
 
     async def remove_replica(self, replica_id: str) -> None:
+        self._written.pop(replica_id, None)
         pipe = self.client.pipeline(transaction=False)
         pipe.srem(keys.replicas_key(self.ns), replica_id)
         pipe.delete(keys.replica_key(self.ns, replica_id))
@@ -95,9 +101,17 @@ class RedisSink:
         if gen is not None:
             await self._file(gen, (), self._filed.pop(replica_id, set()))
 
-    async def _changed(self, replica_id: str) -> None:
-        await self.client.xadd(keys.changes_key(self.ns), {"r": replica_id}, maxlen=keys.CHANGES_MAXLEN,
-                               approximate=True)
+    async def _changed(self, replica_id: str, load: tuple[int, ReplicaLoad] | None = None) -> None:
+        """Note a write or removal of the record in the change stream; `load`: (generation, load) when the
+        record's info is the one this sink wrote last time, so the entry alone tells routers what changed
+        (signed like the record, bound to the replica and generation)."""
+        fields = {"r": replica_id}
+        if load is not None:
+            gen, compact = load[0], load[1].to_compact()
+            fields.update(l=compact, g=str(gen))
+            if self.signer is not None:
+                fields["s"] = self.signer.sign(load_payload(replica_id, gen, compact))
+        await self.client.xadd(keys.changes_key(self.ns), fields, maxlen=keys.CHANGES_MAXLEN, approximate=True)
 
     async def _file(self, gen: int, stored, removed) -> None:
         commands = block_commands(self.ns, gen, stored, removed)

@@ -8,8 +8,8 @@ published one lifted by the router's own requests in flight (never lowered), so 
 published key finds the k smallest lifted keys exactly: once the next replica's published key exceeds the
 k-th smallest lifted key seen, no later one can beat it. The scan passes over the k, at most TIE_SAMPLE + 1
 replicas tied with the k-th, and those this router lifted since their last publish (a cheap check each):
-not the fleet. When records change, only the changed replicas move in the orders (found by object
-identity: ReplicaRecords keeps an unchanged record's state object).
+not the fleet. When records change, only the changed replicas move in the orders: those ReplicaRecords'
+journal names, or else those found changed by object identity (it keeps an unchanged record's object).
 """
 
 from __future__ import annotations
@@ -74,9 +74,21 @@ class LoadOrders:
         self._model_of: dict[str, ModelIdentity] = {}
         self._state_of: dict[str, ReplicaState] = {}
 
-    def update(self, states: list[ReplicaState]) -> None:
-        """Reflect these records (a no-op for the list already reflected)."""
+    def update(self, states: list[ReplicaState], changed: list[ReplicaState] | None = None) -> None:
+        """Reflect these records (a no-op for the list already reflected). `changed`: the states in `states`
+        that may differ from the list reflected, when the caller knows (ReplicaRecords.changed_since), so
+        the cost is O(changes); None compares them all by identity."""
         if states is self._of:
+            return
+        if changed is not None and self._of is not None:
+            state_of = self._state_of
+            for s in changed:
+                rid = s.info.replica_id
+                if state_of.get(rid) is not s:
+                    self._drop(rid)
+                    self._put(s, sort=True)
+                    state_of[rid] = s
+            self._of = states
             return
         old = self._state_of
         new = {s.info.replica_id: s for s in states}

@@ -2,11 +2,14 @@
 
 Records are read in the background every `refresh` seconds, never per routing decision: only those
 that changed since the last read (the registry's change stream, services.registry.keys), so a refresh
-costs O(changes), not O(replicas). A replica that died writes no change (its record just expires), so
-every FULL_READ_EVERY seconds one EXISTS over the known records checks they all still exist, and only if
-one is gone are all of them read again. Each distinct record is verified once, and looked up by replica id
-or by index generation. With refresh=0 every call re-reads them all (tests that need the registry's
-latest word at once).
+costs O(changes), not O(replicas). Most changes are loads alone (a request started or ended): their entry
+carries the signed load, applied to the record held without reading or parsing the record, so a fleet
+whose every load moves between two refreshes costs a few microseconds per replica. A replica that died
+writes no change (its record just expires), so every FULL_READ_EVERY seconds EXISTS over the known records
+checks they all still exist, and only if one is gone are all of them read again. Each distinct record is
+verified once, and looked up by replica id or by index generation. Each swap of the records is journaled
+(changed_since), so a reader's own structure over them follows in O(changes). With refresh=0 every call
+re-reads them all (tests that need the registry's latest word at once).
 """
 
 from __future__ import annotations
@@ -14,19 +17,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
+from collections import deque
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.model import ReplicaState, Signer, UntrustedRecord
+from services.registry.model import ReplicaLoad, ReplicaState, Signer, UntrustedRecord, load_payload
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 250  # records read per command
 PARSE_CHUNK = 10  # records parsed between two yields to the event loop
 FULL_READ_EVERY = 2.0  # seconds between two checks that every record still exists (a read of all if not)
-EXISTS_CHUNK = 1000  # record keys per EXISTS
+EXISTS_CHUNK = 100  # record keys per EXISTS (each chunk its own step: packing 1,000 keys held the loop 3 ms)
 CLOSE_WAIT = 5.0  # seconds close() waits for the loop to stop
+CHANGES_READ = 25  # change entries per XRANGE, their loads applied in one step of the event loop
+JOURNAL = 256  # swaps remembered by changed_since: a reader further behind diffs the whole list
 
 
 class ReplicaRecords:
@@ -46,6 +54,11 @@ class ReplicaRecords:
         self.catalog_version = 0
         self._catalog: dict[str, tuple[object, tuple]] = {}  # replica id -> (its info, the info's key)
         self._warned: set[str] = set()
+        # Each swap of `states` bumps the version and notes which replicas it changed (None: any of them), so
+        # a reader that keeps its own structure over the records (router.load_order) updates it in O(changes).
+        self.version = 0
+        self._journal: deque[tuple[int, frozenset[str] | None]] = deque(maxlen=JOURNAL)
+        self._watchers: list = []  # weak references to callables told of each swap
         self._task: asyncio.Task | None = None
         self._closing = False
         self._failing = False
@@ -63,7 +76,7 @@ class ReplicaRecords:
         tail = await self.client.xrevrange(keys.changes_key(self.ns), "+", "-", count=1)
         ids = sorted(m.decode() if isinstance(m, bytes) else m
                      for m in await self.client.smembers(keys.replicas_key(self.ns)))
-        states, gone = await self._read_ids(ids)
+        states, gone, _ = await self._read_ids(ids)
         if gone:  # expired records: their ids leave the registry set (whoever notices first)
             await self.client.srem(keys.replicas_key(self.ns), *gone)
         self._install(states)
@@ -81,7 +94,7 @@ class ReplicaRecords:
         pipe = self.client.pipeline(transaction=False)
         stream = keys.changes_key(self.ns)
         pipe.xrange(stream, "-", "+", count=1)
-        pipe.xrange(stream, "(" + self._last_change, "+", count=keys.CHANGES_MAXLEN)
+        pipe.xrange(stream, "(" + self._last_change, "+", count=CHANGES_READ)
         first, changes = await pipe.execute()
         if first and self._last_change != "0-0" and _newer(_entry_id(first[0]), self._last_change):
             await self.read()  # entries this router never saw were trimmed away
@@ -89,31 +102,93 @@ class ReplicaRecords:
         if not changes:
             self.read_at = time.monotonic()
             return
-        changed = sorted({_text(fields.get(b"r") or fields.get("r") or b"") for _, fields in changes} - {""})
-        fresh, _ = await self._read_ids(changed)
+        # Entries are read and their loads applied CHANGES_READ at a time, each batch in its own step of the
+        # event loop, so a decision waiting on Redis meanwhile is held up by one small batch at most.
+        reads: set[str] = set()  # replicas whose record must be read: info changed, or the load is unusable
+        while True:
+            self._apply_loads(changes, reads)
+            last = _entry_id(changes[-1])
+            if len(changes) < CHANGES_READ:
+                break
+            changes = await self.client.xrange(stream, "(" + last, "+", count=CHANGES_READ)
+            if not changes:
+                break
+        changed = sorted(reads)
         position = self.position
-        if len(fresh) == len(changed) and all(rid in position for rid in changed):
-            self._replace(fresh)  # the common case: known replicas' loads moved
+        if all(rid in position for rid in changed):
+            # Known replicas' records: swapped in as they are parsed, PARSE_CHUNK at a time, so neither this
+            # loop nor a reader's update ever handles a whole refresh in one go.
+            _, gone, rejected = await self._read_ids(changed, self._replace)
+            if gone or rejected:  # expired, removed, or no longer verifying: out of the list
+                drop = {*gone, *rejected}
+                self._install([s for s in self.states if s.info.replica_id not in drop])
         else:
+            fresh, _, _ = await self._read_ids(changed)
             by_id = {s.info.replica_id: s for s in self.states}
             for rid in changed:
                 by_id.pop(rid, None)
             by_id.update((s.info.replica_id, s) for s in fresh)
             self._install([by_id[rid] for rid in sorted(by_id)])
-        self._last_change = _entry_id(changes[-1])
+        self._last_change = last
+
+    def _apply_loads(self, changes: list, reads: set[str]) -> None:
+        """Swap in the loads these change entries carry (the latest per replica); note in `reads` the
+        replicas whose record must be read instead (an entry without a load: the info changed), for which
+        later loads are moot (the record read afterwards is newer)."""
+        loads: dict[str, dict] = {}
+        for _, fields in changes:
+            rid = fields.get(b"r") or fields.get("r")
+            if not rid:
+                continue
+            rid = _text(rid)
+            if (b"l" in fields or "l" in fields) and rid not in reads:
+                loads[rid] = fields
+            else:
+                reads.add(rid)
+                loads.pop(rid, None)
+        fresh = []
+        for rid, fields in loads.items():  # the common case at fleet scale: only loads moved
+            state = self._inline(rid, fields)
+            if state is None:
+                reads.add(rid)
+            else:
+                fresh.append(state)
+        if fresh:
+            self._replace(fresh)
+
+    def _inline(self, rid: str, fields: dict) -> ReplicaState | None:
+        """The replica's state with the load its change entry carries, or None when the entry does not
+        apply to the record held (another generation, an unknown replica) or does not verify or parse:
+        then its record is read instead."""
+        i = self.position.get(rid)
+        if i is None:
+            return None
+        old = self.states[i]
+        compact, gen = _field(fields, "l"), _field(fields, "g")
+        if gen != str(old.info.generation):
+            return None
+        if self.signer is not None and not self.signer.verify(load_payload(rid, old.info.generation, compact),
+                                                              _field(fields, "s")):
+            return None
+        try:
+            return ReplicaState(old.info, ReplicaLoad.from_compact(compact))
+        except ValueError:
+            return None
 
     def _replace(self, fresh: list[ReplicaState]) -> None:
         """New records of replicas already known, none joining or leaving: each takes its predecessor's
         place, so the positions stand and the work is O(changes) besides one C-speed copy of each table
         (not a rebuild of them from the fleet's records, which at 1,000 replicas took a millisecond of the
         event loop four times a second)."""
-        states, by_generation = list(self.states), dict(self.by_generation)
+        states, by_generation = list(self.states), self.by_generation
         catalog_changed = False
         for s in fresh:
             rid = s.info.replica_id
             old = states[self.position[rid]]
             states[self.position[rid]] = s
             if old.info.generation != s.info.generation:
+                if by_generation is self.by_generation:  # copied only when a generation moves
+                    by_generation = dict(by_generation)
                 if by_generation.get(old.info.generation) == rid:
                     del by_generation[old.info.generation]
                 if s.info.generation:
@@ -123,9 +198,47 @@ class ReplicaRecords:
                 catalog_changed = catalog_changed or self._catalog[rid][1] != key
                 self._catalog[rid] = (s.info, key)
         self.states, self.by_generation = states, by_generation
+        self._swapped(frozenset(s.info.replica_id for s in fresh))
         if catalog_changed:  # after the swap, as in _install
             self.catalog_version += 1
         self.read_at = time.monotonic()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback` after each swap (weakly held when it is a bound method)."""
+        self._watchers.append(weakref.WeakMethod(callback) if hasattr(callback, "__self__") else lambda: callback)
+
+    def _swapped(self, ids: frozenset[str] | None) -> None:
+        self.version += 1
+        self._journal.append((self.version, ids))
+        live = []
+        for ref in self._watchers:
+            callback = ref()
+            if callback is None:
+                continue
+            live.append(ref)
+            try:
+                callback()
+            except Exception:  # a reader's bug must not stop the records from refreshing
+                log.exception("a records watcher failed")
+        self._watchers = live
+
+    def changed_since(self, version: int) -> list[ReplicaState] | None:
+        """The current states of the replicas whose state changed in the swaps after `version` (one this
+        reader got from `version`), or None when that is unknown (a replica joined or left, or `version` is
+        older than the journal): then compare them all."""
+        if version == self.version:
+            return []
+        journal = self._journal
+        if version < 0 or not journal or journal[0][0] > version + 1:
+            return None
+        ids: set[str] = set()
+        for v, changed in journal:
+            if v > version:
+                if changed is None:
+                    return None
+                ids |= changed
+        states, position = self.states, self.position
+        return [states[position[rid]] for rid in ids]
 
     async def _any_gone(self) -> bool:
         """Whether a record this router holds has expired or been removed: one EXISTS over their keys (a
@@ -139,8 +252,10 @@ class ReplicaRecords:
             present += await self.client.exists(*[keys.replica_key(self.ns, rid) for rid in ids[i:i + EXISTS_CHUNK]])
         return present < len(ids)
 
-    async def _read_ids(self, ids: list[str]) -> tuple[list[ReplicaState], list[str]]:
-        states, gone = [], []
+    async def _read_ids(self, ids: list[str], swap=None) -> tuple[list[ReplicaState], list[str], list[str]]:
+        """(the records of `ids` that exist and verify, the ids whose record is gone, those whose record does
+        not parse or verify); with `swap`, the records are handed to it PARSE_CHUNK at a time instead."""
+        states, gone, rejected = [], [], []
         for i in range(0, len(ids), READ_CHUNK):
             chunk = ids[i:i + READ_CHUNK]
             raws = await self._mget([keys.replica_key(self.ns, rid) for rid in chunk])
@@ -148,6 +263,9 @@ class ReplicaRecords:
                 # A yield every few records: at 1,000 replicas one read must not hold the event loop (and
                 # every decision waiting on it) for the whole parse, nor pay a round trip per few records.
                 if j and j % PARSE_CHUNK == 0:
+                    if swap is not None and states:
+                        swap(states)
+                        states = []
                     await asyncio.sleep(0)
                 if raw is None:
                     gone.append(rid)
@@ -155,7 +273,12 @@ class ReplicaRecords:
                 state = self._parse(rid, raw)
                 if state is not None:
                     states.append(state)
-        return states, gone
+                else:
+                    rejected.append(rid)
+        if swap is not None and states:
+            swap(states)
+            states = []
+        return states, gone, rejected
 
     def _install(self, states: list[ReplicaState]) -> None:
         # Swapped together, with no await in between: a decision reads one consistent set.
@@ -163,6 +286,7 @@ class ReplicaRecords:
         by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
         catalog_changed = self._note_catalog(states)
         self.states, self.position, self.by_generation = states, position, by_generation
+        self._swapped(None)
         if catalog_changed:  # after the swap: a reader that saw the new version reads the new states
             self.catalog_version += 1
         self._parsed = {rid: v for rid, v in self._parsed.items() if rid in self.position}
@@ -234,6 +358,14 @@ class ReplicaRecords:
 
 def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _field(fields: dict, name: str) -> str | None:
+    """A change entry's field (the client may or may not decode replies), None when absent."""
+    v = fields.get(name.encode())
+    if v is None:
+        v = fields.get(name)
+    return None if v is None else _text(v)
 
 
 def _entry_id(entry) -> str:

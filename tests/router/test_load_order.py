@@ -29,6 +29,27 @@ class FixedIndex:
         return [by_id.get(s.info.replica_id, s) for s in self.states]
 
 
+class JournalIndex(FixedIndex):
+    """A FixedIndex that, like RedisIndex, says which records changed since a version (None when replicas
+    joined or left), so the view moves only those in its orders."""
+
+    def __init__(self, states, holders):
+        super().__init__(states, holders)
+        self.version, self.changes = 0, {}
+
+    def replace(self, states, holders):
+        old = {s.info.replica_id: s for s in self.states}
+        same = old.keys() == {s.info.replica_id for s in states}
+        self.version += 1
+        self.changes[self.version] = [s for s in states if old.get(s.info.replica_id) is not s] if same else None
+        self.states, self.holders = states, holders
+
+    def changes_since(self, version):
+        if version < 0 or any(self.changes[v] is None for v in range(version + 1, self.version + 1)):
+            return self.version, self.states, None
+        return self.version, self.states, [s for v in range(version + 1, self.version + 1) for s in self.changes[v]]
+
+
 replica = st.tuples(st.integers(0, 6), st.integers(0, 6), st.sampled_from([0.0, 0.25, 0.5]), st.integers(0, 3),
                     st.booleans(), st.integers(0, 12), st.sampled_from([0, 0, 0, 8, 16, 40]), st.booleans())
 
@@ -55,11 +76,11 @@ def _fleet(rows):
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(replica, min_size=1, max_size=40), st.lists(replica, min_size=1, max_size=40),
-       st.booleans(), st.booleans())
-def test_ranking_the_shortlist_equals_ranking_the_fleet(rows, later, prefix, filtered):
+       st.booleans(), st.booleans(), st.booleans())
+def test_ranking_the_shortlist_equals_ranking_the_fleet(rows, later, prefix, filtered, journal):
     """Also after the records change (some replicas' loads move, some leave, some join: the orders move only
-    those), and with a filter that allows only some."""
-    _check(rows, later, prefix, filtered)
+    those, found by identity or named by the index's journal), and with a filter that allows only some."""
+    _check(rows, later, prefix, filtered, journal)
 
 
 # Nearly idle, nearly equal replicas: dozens tied exactly, more than TIE_SAMPLE.
@@ -69,15 +90,15 @@ tied_replica = st.tuples(st.integers(0, 1), st.just(0), st.just(0.0), st.just(0)
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(tied_replica, min_size=20, max_size=80), st.lists(tied_replica, min_size=20, max_size=80),
-       st.booleans(), st.booleans())
-def test_the_same_among_many_exact_ties(rows, later, prefix, filtered):
-    _check(rows, later, prefix, filtered)
+       st.booleans(), st.booleans(), st.booleans())
+def test_the_same_among_many_exact_ties(rows, later, prefix, filtered, journal):
+    _check(rows, later, prefix, filtered, journal)
 
 
-def _check(rows, later, prefix, filtered):
+def _check(rows, later, prefix, filtered, journal=False):
     route = RouteRequest(list(range(40)), 640, 16)
     policy = PrefixPolicy() if prefix else LeastLoadedPolicy()
-    index = FixedIndex(*_fleet(rows)[:2])
+    index = (JournalIndex if journal else FixedIndex)(*_fleet(rows)[:2])
     view = ReplicaView(index, RouterMetrics(), EveryOther() if filtered else None)
 
     async def both(identity):
@@ -90,7 +111,10 @@ def _check(rows, later, prefix, filtered):
         if step is later:  # keep the unchanged replicas' state objects, as ReplicaRecords does
             old = {s.info.replica_id: s for s in index.states}
             states = [old[s.info.replica_id] if old.get(s.info.replica_id) == s else s for s in states]
-        index.states, index.holders = states, holders
+        if journal:
+            index.replace(states, holders)
+        else:
+            index.states, index.holders = states, holders
         view.inflight.clear()
         view.inflight.update(inflight)
         identity = states[0].info.identity

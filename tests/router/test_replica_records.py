@@ -49,7 +49,8 @@ async def _scenario(url: str):
 
 def test_a_refresh_reads_only_what_changed(redis_server):
     asyncio.run(_scenario(redis_server.url))
-    # The same again, counting records read: one changed record costs one key, not fifty.
+    # The same again, counting records read: a load change costs none (the entry carries it), a changed
+    # record one key, not fifty.
     redis_server.flush()
 
     async def counted():
@@ -59,15 +60,24 @@ def test_a_refresh_reads_only_what_changed(redis_server):
             await sink.write_state(state(f"r{i:02d}"), ttl=60)
         records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, None, refresh=3600)
         await records.read()
-        await sink.write_state(state("r03", running=2), ttl=60)
-        before = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {})
-        await records.refresh_changed()
-        after = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {})
+        mgets = []
+        for change in (state("r03", running=2), _moved(state("r04", running=1))):
+            await sink.write_state(change, ttl=60)
+            before = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {})
+            await records.refresh_changed()
+            after = redis.Redis.from_url(redis_server.url).info("commandstats").get("cmdstat_mget", {})
+            mgets.append(after.get("calls", 0) - before.get("calls", 0))
         await client.aclose()
-        return after.get("calls", 0) - before.get("calls", 0), records
+        return mgets, records
 
-    calls, records = asyncio.run(counted())
-    assert calls == 1 and {s.info.replica_id: s for s in records.states}["r03"].load.num_running == 2
+    mgets, records = asyncio.run(counted())
+    by_id = {s.info.replica_id: s for s in records.states}
+    assert mgets == [0, 1]
+    assert by_id["r03"].load.num_running == 2 and by_id["r04"].info.url == "http://moved"
+
+
+def _moved(s: ReplicaState) -> ReplicaState:
+    return ReplicaState(ReplicaInfo(s.info.replica_id, "http://moved", "m", 16, 4096, 8, 1), s.load)
 
 
 def test_the_change_feed_works_on_a_cluster(redis_cluster):
@@ -219,3 +229,110 @@ def test_a_changed_record_takes_its_predecessors_place(redis_server):
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_journal_names_what_each_swap_changed(redis_server):
+    """A refresh of many known replicas swaps them in a chunk at a time (loads from the change entries,
+    records as they are parsed), each swap noted, so a reader catches up on exactly the replicas that
+    changed; a join, a leave or a rejected record says 'unknown'."""
+
+    async def scenario():
+        ids = [f"r{i:02d}" for i in range(60)]
+        client, sink, records = await registered(redis_server.url, ids)
+        start = records.version
+        assert records.changed_since(start) == [] and records.changed_since(-1) is None
+        swaps = []
+        real = records._replace
+        records._replace = lambda fresh: (swaps.append(len(fresh)), real(fresh))
+        loads = ids[:40]  # only their loads move, twice: applied from the entries, a batch per swap
+        entries = [(rid, running) for running in (2, 3) for rid in loads]
+        for rid, running in entries:
+            await sink.write_state(state(rid, running=running), ttl=60)
+        await records.refresh_changed()
+        batch = replica_records.CHANGES_READ
+        batches = [entries[i:i + batch] for i in range(0, len(entries), batch)]
+        assert len(batches) > 1 and swaps == [len({rid for rid, _ in b}) for b in batches]
+        changed = records.changed_since(start)
+        assert sorted(s.info.replica_id for s in changed) == loads
+        assert all(s is records.states[records.position[s.info.replica_id]] and s.load.num_running == 3
+                   for s in changed)
+        later = {rid for b in batches[1:] for rid, _ in b}  # owed only the later swaps' replicas
+        assert {s.info.replica_id for s in records.changed_since(start + 1)} == later
+        here, swaps[:] = records.version, []
+        moved = ids[40:]  # their records change: read, and swapped PARSE_CHUNK at a time
+        for rid in moved:
+            await sink.write_state(_moved(state(rid)), ttl=60)
+        await records.refresh_changed()
+        assert swaps == [replica_records.PARSE_CHUNK] * (len(moved) // replica_records.PARSE_CHUNK)
+        assert sorted(s.info.replica_id for s in records.changed_since(here)) == moved
+        here = records.version
+        await sink.remove_replica("r05")
+        await records.refresh_changed()
+        assert records.changed_since(here) is None and records.changed_since(start) is None
+        here = records.version
+        await client.set(keys.replica_key(keys.DEFAULT_NAMESPACE, "r07"), b"not json")  # a forged record
+        await client.xadd(keys.changes_key(keys.DEFAULT_NAMESPACE), {"r": "r07"})
+        await records.refresh_changed()
+        assert records.changed_since(here) is None and "r07" not in records.position
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_load_in_the_change_stream_is_trusted_only_when_signed_for_that_replica_and_generation(redis_server):
+    """With the internal token, a load entry is applied only if its HMAC covers this replica, its current
+    generation and this load; anything else (no signature, another token, another replica's or generation's
+    signed load, a malformed load) makes the router read the signed record instead, whose load wins."""
+    from services.internal_auth import InternalToken
+    from services.registry.model import load_payload
+
+    token = InternalToken.generate()
+
+    async def scenario():
+        client = connect(redis_server.url)
+        sink = RedisSink(client, signer=token)
+        for rid in ("a", "b"):
+            await sink.write_state(state(rid), ttl=60)
+        await sink.replace_blocks("a", {1}, ttl=60)  # "a" files blocks: its record names a generation
+        await sink.write_state(state("a"), ttl=60)
+        records = ReplicaRecords(client, keys.DEFAULT_NAMESPACE, token, refresh=3600)
+        await records.read()
+        gen = records.states[records.position["a"]].info.generation
+        assert gen
+        await sink.write_state(state("a", running=2), ttl=60)  # a genuine load entry: applied inline
+        mget = _counter(redis_server.url, "mget")
+        await records.refresh_changed()
+        assert mget() == 0 and records.states[records.position["a"]].load.num_running == 2
+
+        stream = keys.changes_key(keys.DEFAULT_NAMESPACE)
+        good_b = ReplicaLoad(0, 4).to_compact()
+        forged = [
+            {"r": "a", "l": ReplicaLoad(0, 7).to_compact(), "g": str(gen)},  # unsigned
+            {"r": "a", "l": "0,7,0.0,1,0", "g": str(gen),
+             "s": InternalToken.generate().sign(load_payload("a", gen, "0,7,0.0,1,0"))},  # another token
+            {"r": "a", "l": good_b, "g": str(gen), "s": token.sign(load_payload("b", 0, good_b))},  # b's
+            {"r": "a", "l": "0,7,0.0,1,0", "g": str(gen + 1),
+             "s": token.sign(load_payload("a", gen + 1, "0,7,0.0,1,0"))},  # a generation it does not hold
+            {"r": "a", "l": "0,-7,nan,1,0", "g": str(gen), "s": token.sign(load_payload("a", gen, "0,-7,nan,1,0"))},
+        ]
+        for entry in forged:
+            await client.xadd(stream, entry)
+            await records.refresh_changed()
+            # The record was read instead: its load (2 running) stands, not the entry's 7.
+            assert mget() == 1, entry
+            assert records.states[records.position["a"]].load.num_running == 2
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def _counter(url: str, command: str):
+    """A function returning how many times `command` ran since the last call."""
+    r = redis.Redis.from_url(url)
+    last = [r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)]
+
+    def since() -> int:
+        now = r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+        out, last[0] = now - last[0], now
+        return out
+    return since

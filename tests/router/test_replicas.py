@@ -75,3 +75,40 @@ def test_model_names_are_re_derived_only_when_the_catalog_version_moves(monkeypa
         assert len(derived) == 2 and (await view.resolve("sql")).adapter_digest == "d1"
 
     asyncio.run(main())
+
+
+def test_the_load_orders_follow_the_records_refresh_not_the_next_decision(redis_server):
+    """At fleet scale a refresh brings hundreds of load changes: the view moves them in its load orders as
+    the records swap them in (a chunk at a time), so the next decision finds nothing left to sort."""
+    from services.registry import keys
+    from services.registry.redis_sink import RedisSink, connect
+    from services.router.policies import RANKED
+    from services.router.redis_index import RedisIndex
+
+    async def main():
+        client = connect(redis_server.url)
+        sink = RedisSink(client)
+        infos = [ReplicaInfo(f"r{i:02d}", f"http://r{i}", "m", 16, 4096, 8, 1) for i in range(60)]
+        for info in infos:
+            await sink.write_state(ReplicaState(info, ReplicaLoad(0, 5)), ttl=60)
+        index = RedisIndex(client, keys.DEFAULT_NAMESPACE, record_refresh=3600)
+        view = ReplicaView(index, RouterMetrics())
+        identity = infos[0].identity
+        await view.shortlist([], 1, identity, RANKED)
+        sizes = []
+        real = view._orders.update
+        view._orders.update = lambda states, changed=None: (sizes.append(None if changed is None else len(changed)),
+                                                            real(states, changed))[1]
+        for info in infos[::3]:  # 20 replicas go idle
+            await sink.write_state(ReplicaState(info, ReplicaLoad(0, 0)), ttl=60)
+        await index.records.refresh_changed()
+        assert sizes and sum(sizes) == 20  # followed during the refresh, a swap at a time
+        sizes.clear()
+        short, _ = await view.shortlist([], 1, identity, RANKED)
+        assert sizes in ([], [0])  # the decision found the orders current
+        assert {s.info.replica_id for s in short} <= {i.replica_id for i in infos[::3]}
+        assert all(s.load.requests == 0 for s in short)
+        await index.close()
+        await client.aclose()
+
+    asyncio.run(main())
