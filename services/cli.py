@@ -192,8 +192,10 @@ def _add_bench(sub) -> None:
     x.add_argument("--capacity", type=int, default=4000, help="blocks a replica's cache holds")
     x.add_argument("--groups-per-replica", type=int, default=1, help="system prompts per replica")
     x.add_argument("--questions", type=int, default=10, help="requests per system prompt")
-    x.add_argument("--min-decisions", type=int, default=2000,
-                   help="decisions per fleet size at least (small fleets run more rounds of fresh groups)")
+    x.add_argument("--min-decisions", type=int, default=10_000,
+                   help="decisions per fleet size at least (small fleets run more rounds of fresh groups): the "
+                        "default, one round at 1,000 replicas, gives every size the same number of prompts, so "
+                        "the index holds as many keys of them whatever the fleet size")
     x.add_argument("--hold", type=int, default=0, help="decisions a request stays in flight (0: 2 x replicas)")
     x.add_argument("--publish-every", type=int, default=10, help="decisions between two event publishes")
     x.add_argument("--event-seconds", type=float, default=3.0, help="length of the event-rate phase")

@@ -63,6 +63,21 @@ class ModelOrder:
         for lst, e in zip(self.lists, self.entries.pop(rid), strict=True):
             del lst[bisect_left(lst, e)]
 
+    def move(self, s: ReplicaState) -> None:
+        """A replica of this order with a new load: where its keys did not change (a cached-block count
+        moved in one order, not in the other) the entry is replaced in place."""
+        rid, req = s.info.replica_id, s.load.requests
+        old = self.entries[rid]
+        es = tuple((*key(s.load, req), rid, s) for key in ORDERS)
+        self.entries[rid] = es
+        for lst, o, e in zip(self.lists, old, es, strict=True):
+            i = bisect_left(lst, o)
+            if o[:3] == e[:3]:
+                lst[i] = e
+            else:
+                del lst[i]
+                insort(lst, e)
+
 
 class LoadOrders:
     """Every model's ModelOrder over the healthy replicas of the records last given (a filter that changes
@@ -71,7 +86,7 @@ class LoadOrders:
     def __init__(self) -> None:
         self.models: dict[ModelIdentity, ModelOrder] = {}
         self._of: list[ReplicaState] | None = None  # the records these orders reflect
-        self._model_of: dict[str, ModelIdentity] = {}
+        self._order_of: dict[str, ModelOrder] = {}  # replica id -> the order it is in (healthy ones)
         self._state_of: dict[str, ReplicaState] = {}
 
     def update(self, states: list[ReplicaState], changed: list[ReplicaState] | None = None) -> None:
@@ -81,13 +96,18 @@ class LoadOrders:
         if states is self._of:
             return
         if changed is not None and self._of is not None:
-            state_of = self._state_of
+            state_of, order_of = self._state_of, self._order_of
             for s in changed:
                 rid = s.info.replica_id
-                if state_of.get(rid) is not s:
+                old = state_of.get(rid)
+                if old is s:
+                    continue
+                if old is not None and old.info is s.info and s.load.healthy and rid in order_of:
+                    order_of[rid].move(s)  # the common case: only its load moved
+                else:
                     self._drop(rid)
                     self._put(s, sort=True)
-                    state_of[rid] = s
+                state_of[rid] = s
             self._of = states
             return
         old = self._state_of
@@ -105,7 +125,7 @@ class LoadOrders:
         self._of, self._state_of = states, new
 
     def _rebuild(self, states: list[ReplicaState]) -> None:
-        self.models, self._model_of = {}, {}
+        self.models, self._order_of = {}, {}
         for s in states:
             self._put(s, sort=False)
         for m in self.models.values():
@@ -115,14 +135,14 @@ class LoadOrders:
     def _put(self, s: ReplicaState, sort: bool) -> None:
         if not s.load.healthy:
             return
-        identity = s.info.identity
-        self.models.setdefault(identity, ModelOrder()).add(s, sort)
-        self._model_of[s.info.replica_id] = identity
+        order = self.models.setdefault(s.info.identity, ModelOrder())
+        order.add(s, sort)
+        self._order_of[s.info.replica_id] = order
 
     def _drop(self, rid: str) -> None:
-        identity = self._model_of.pop(rid, None)
-        if identity is not None:
-            self.models[identity].remove(rid)
+        order = self._order_of.pop(rid, None)
+        if order is not None:
+            order.remove(rid)
 
 
 def lifted(s: ReplicaState, inflight: int) -> ReplicaState:

@@ -110,7 +110,7 @@ def _check(rows, later, prefix, filtered, journal=False):
         states, holders, inflight = _fleet(step)
         if step is later:  # keep the unchanged replicas' state objects, as ReplicaRecords does
             old = {s.info.replica_id: s for s in index.states}
-            states = [old[s.info.replica_id] if old.get(s.info.replica_id) == s else s for s in states]
+            states = [_kept(old.get(s.info.replica_id), s) for s in states]
         if journal:
             index.replace(states, holders)
         else:
@@ -127,6 +127,16 @@ def _check(rows, later, prefix, filtered, journal=False):
         assert len(short) <= len(open_)
 
 
+def _kept(old: ReplicaState | None, new: ReplicaState) -> ReplicaState:
+    """What ReplicaRecords holds after a refresh: the same state object when nothing changed, the same
+    info object when only the load did (a load from the change stream), a new state otherwise."""
+    if old is None:
+        return new
+    if old == new:
+        return old
+    return ReplicaState(old.info, new.load) if old.info == new.info else new
+
+
 def test_a_large_idle_fleet_is_not_scanned():
     """900 replicas with distinct loads: the scan stops after the k smallest, whatever the fleet's size."""
     orders = LoadOrders()
@@ -141,3 +151,30 @@ def test_a_large_idle_fleet_is_not_scanned():
 
     got = least(order.lists[0], by_kv, 4, {}, unusable)
     assert [s.load.requests for s in got] == [0, 0, 0, 0] and len(looked) == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 3), st.sampled_from([0.0, 0.5, 1.0]),
+                                   st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=12),
+                min_size=1, max_size=6))
+def test_journaled_updates_keep_each_order_what_sorting_afresh_gives(steps):
+    """Loads moving (in one tie key, both, or none), replicas turning unhealthy and back, infos changing:
+    after every journaled update each order is exactly the sorted list a rebuild makes."""
+    infos = {i: ReplicaInfo(f"r{i:02d}", "u", "m", 16, 4096, 8, 1) for i in range(12)}
+    states = {i: ReplicaState(infos[i], ReplicaLoad()) for i in range(12)}
+    orders = LoadOrders()
+    orders.update(list(states.values()))
+    for step in steps:
+        changed = []
+        for i, requests, kv, cached, healthy, new_info in step:
+            if new_info:
+                infos[i] = ReplicaInfo(f"r{i:02d}", "u", "m", 16, 4096, 8, 1)
+            states[i] = ReplicaState(infos[i], ReplicaLoad(0, requests, kv, healthy, cached))
+            changed.append(states[i])
+        current = list(states.values())
+        orders.update(current, changed)
+        fresh = LoadOrders()
+        fresh.update(current)
+        got = {m: [[e[3] for e in lst] for lst in o.lists] for m, o in orders.models.items() if o.count}
+        want = {m: [[e[3] for e in lst] for lst in o.lists] for m, o in fresh.models.items() if o.count}
+        assert got == want

@@ -249,7 +249,7 @@ def test_the_journal_names_what_each_swap_changed(redis_server):
         for rid, running in entries:
             await sink.write_state(state(rid, running=running), ttl=60)
         await records.refresh_changed()
-        batch = replica_records.CHANGES_READ
+        batch = replica_records.LOAD_CHUNK
         batches = [entries[i:i + batch] for i in range(0, len(entries), batch)]
         assert len(batches) > 1 and swaps == [len({rid for rid, _ in b}) for b in batches]
         changed = records.changed_since(start)
