@@ -81,12 +81,6 @@ class ReplicaLoad:
         return load
 
 
-def load_payload(replica_id: str, generation: int, compact: str) -> bytes:
-    """What a load in the change stream is signed over: the replica and generation it belongs to, so a
-    signed load cannot be replayed onto another replica or a later generation."""
-    return f"{replica_id}\n{generation}\n{compact}".encode()
-
-
 @dataclass(slots=True)
 class ReplicaState:
     """A live replica as one routing decision sees it."""

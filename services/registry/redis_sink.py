@@ -18,7 +18,8 @@ from dataclasses import asdict
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.model import BlockDelta, ReplicaLoad, ReplicaState, Signer, load_payload
+from services.registry.change_entry import entry_fields
+from services.registry.model import BlockDelta, ReplicaLoad, ReplicaState, Signer
 from services.registry.redis_connect import connect, redacted  # noqa: F401  (the registry's client)
 
 _CHUNK = 4000  # commands per pipeline round trip: keeps single writes small
@@ -104,14 +105,9 @@ class RedisSink:
     async def _changed(self, replica_id: str, load: tuple[int, ReplicaLoad] | None = None) -> None:
         """Note a write or removal of the record in the change stream; `load`: (generation, load) when the
         record's info is the one this sink wrote last time, so the entry alone tells routers what changed
-        (signed like the record, bound to the replica and generation)."""
-        fields = {"r": replica_id}
-        if load is not None:
-            gen, compact = load[0], load[1].to_compact()
-            fields.update(l=compact, g=str(gen))
-            if self.signer is not None:
-                fields["s"] = self.signer.sign(load_payload(replica_id, gen, compact))
-        await self.client.xadd(keys.changes_key(self.ns), fields, maxlen=keys.CHANGES_MAXLEN, approximate=True)
+        (services.registry.change_entry)."""
+        await self.client.xadd(keys.changes_key(self.ns), entry_fields(replica_id, load, self.signer),
+                               maxlen=keys.CHANGES_MAXLEN, approximate=True)
 
     async def _file(self, gen: int, stored, removed) -> None:
         commands = block_commands(self.ns, gen, stored, removed)

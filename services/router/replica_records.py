@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable
 
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.model import ReplicaLoad, ReplicaState, Signer, UntrustedRecord, load_payload
+from services.registry.change_entry import carries_load, entry_load, entry_replica
+from services.registry.model import ReplicaState, Signer, UntrustedRecord
+from services.router.record_journal import RecordJournal
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,6 @@ CLOSE_WAIT = 5.0  # seconds close() waits for the loop to stop
 CHANGES_READ = 50  # change entries per XRANGE
 LOAD_CHUNK = 10  # change entries whose loads are applied (and watchers told) in one step of the event loop
 CHUNK_PAUSE = 0.001  # seconds between two such steps (_between_chunks)
-JOURNAL = 256  # swaps remembered by changed_since: a reader further behind diffs the whole list
 
 
 class ReplicaRecords:
@@ -56,11 +55,8 @@ class ReplicaRecords:
         self.catalog_version = 0
         self._catalog: dict[str, tuple[object, tuple]] = {}  # replica id -> (its info, the info's key)
         self._warned: set[str] = set()
-        # Each swap of `states` bumps the version and notes which replicas it changed (None: any of them), so
-        # a reader that keeps its own structure over the records (router.load_order) updates it in O(changes).
-        self.version = 0
-        self._journal: deque[tuple[int, frozenset[str] | None]] = deque(maxlen=JOURNAL)
-        self._watchers: list = []  # weak references to callables told of each swap
+        # Each swap of `states` is journaled with the replicas it changed, and told to watchers.
+        self.journal = RecordJournal()
         self._task: asyncio.Task | None = None
         self._closing = False
         self._failing = False
@@ -78,7 +74,7 @@ class ReplicaRecords:
         """Every record (and the change stream's position, taken first: no change after it is missed)."""
         self._work_started = time.monotonic()
         tail = await self.client.xrevrange(keys.changes_key(self.ns), "+", "-", count=1)
-        ids = sorted(m.decode() if isinstance(m, bytes) else m
+        ids = sorted(m.decode(errors="replace") if isinstance(m, bytes) else m
                      for m in await self.client.smembers(keys.replicas_key(self.ns)))
         states, gone, _ = await self._read_ids(ids)
         if gone:  # expired records: their ids leave the registry set (whoever notices first)
@@ -156,43 +152,25 @@ class ReplicaRecords:
         later loads are moot (the record read afterwards is newer)."""
         loads: dict[str, dict] = {}
         for _, fields in changes:
-            rid = fields.get(b"r") or fields.get("r")
-            if not rid:
+            rid = entry_replica(fields)
+            if rid is None:
                 continue
-            rid = _text(rid)
-            if (b"l" in fields or "l" in fields) and rid not in reads:
+            if carries_load(fields) and rid not in reads:
                 loads[rid] = fields
             else:
                 reads.add(rid)
                 loads.pop(rid, None)
         fresh = []
         for rid, fields in loads.items():  # the common case at fleet scale: only loads moved
-            state = self._inline(rid, fields)
-            if state is None:
+            i = self.position.get(rid)
+            old = self.states[i] if i is not None else None
+            load = entry_load(fields, rid, old.info.generation, self.signer) if old is not None else None
+            if load is None:  # unknown replica, another generation, not verifying: read the record
                 reads.add(rid)
             else:
-                fresh.append(state)
+                fresh.append(ReplicaState(old.info, load))
         if fresh:
             self._replace(fresh)
-
-    def _inline(self, rid: str, fields: dict) -> ReplicaState | None:
-        """The replica's state with the load its change entry carries, or None when the entry does not
-        apply to the record held (another generation, an unknown replica) or does not verify or parse:
-        then its record is read instead."""
-        i = self.position.get(rid)
-        if i is None:
-            return None
-        old = self.states[i]
-        compact, gen = _field(fields, "l"), _field(fields, "g")
-        if gen != str(old.info.generation):
-            return None
-        if self.signer is not None and not self.signer.verify(load_payload(rid, old.info.generation, compact),
-                                                              _field(fields, "s")):
-            return None
-        try:
-            return ReplicaState(old.info, ReplicaLoad.from_compact(compact))
-        except ValueError:
-            return None
 
     def _replace(self, fresh: list[ReplicaState]) -> None:
         """New records of replicas already known, none joining or leaving: each takes its predecessor's
@@ -217,45 +195,26 @@ class ReplicaRecords:
                 catalog_changed = catalog_changed or self._catalog[rid][1] != key
                 self._catalog[rid] = (s.info, key)
         self.states, self.by_generation = states, by_generation
-        self._swapped(frozenset(s.info.replica_id for s in fresh))
+        self.journal.swapped(frozenset(s.info.replica_id for s in fresh))
         if catalog_changed:  # after the swap, as in _install
             self.catalog_version += 1
         self.read_at = time.monotonic()
 
     def watch(self, callback: Callable[[], None]) -> None:
-        """Call `callback` after each swap (weakly held when it is a bound method)."""
-        self._watchers.append(weakref.WeakMethod(callback) if hasattr(callback, "__self__") else lambda: callback)
+        """Call `callback` after each swap of the records (weakly held when it is a bound method)."""
+        self.journal.watch(callback)
 
-    def _swapped(self, ids: frozenset[str] | None) -> None:
-        self.version += 1
-        self._journal.append((self.version, ids))
-        live = []
-        for ref in self._watchers:
-            callback = ref()
-            if callback is None:
-                continue
-            live.append(ref)
-            try:
-                callback()
-            except Exception:  # a reader's bug must not stop the records from refreshing
-                log.exception("a records watcher failed")
-        self._watchers = live
+    @property
+    def version(self) -> int:
+        return self.journal.version
 
     def changed_since(self, version: int) -> list[ReplicaState] | None:
         """The current states of the replicas whose state changed in the swaps after `version` (one this
         reader got from `version`), or None when that is unknown (a replica joined or left, or `version` is
         older than the journal): then compare them all."""
-        if version == self.version:
-            return []
-        journal = self._journal
-        if version < 0 or not journal or journal[0][0] > version + 1:
+        ids = self.journal.changed_since(version)
+        if ids is None:
             return None
-        ids: set[str] = set()
-        for v, changed in journal:
-            if v > version:
-                if changed is None:
-                    return None
-                ids |= changed
         states, position = self.states, self.position
         return [states[position[rid]] for rid in ids]
 
@@ -305,7 +264,7 @@ class ReplicaRecords:
         by_generation = {s.info.generation: s.info.replica_id for s in states if s.info.generation}
         catalog_changed = self._note_catalog(states)
         self.states, self.position, self.by_generation = states, position, by_generation
-        self._swapped(None)
+        self.journal.swapped(None)
         if catalog_changed:  # after the swap: a reader that saw the new version reads the new states
             self.catalog_version += 1
         self._parsed = {rid: v for rid, v in self._parsed.items() if rid in self.position}
@@ -377,14 +336,6 @@ class ReplicaRecords:
 
 def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _field(fields: dict, name: str) -> str | None:
-    """A change entry's field (the client may or may not decode replies), None when absent."""
-    v = fields.get(name.encode())
-    if v is None:
-        v = fields.get(name)
-    return None if v is None else _text(v)
 
 
 def _entry_id(entry) -> str:

@@ -284,7 +284,7 @@ def test_a_load_in_the_change_stream_is_trusted_only_when_signed_for_that_replic
     generation and this load; anything else (no signature, another token, another replica's or generation's
     signed load, a malformed load) makes the router read the signed record instead, whose load wins."""
     from services.internal_auth import InternalToken
-    from services.registry.model import load_payload
+    from services.registry.change_entry import load_payload
 
     token = InternalToken.generate()
 
@@ -336,3 +336,23 @@ def _counter(url: str, command: str):
         out, last[0] = now - last[0], now
         return out
     return since
+
+
+def test_garbage_in_the_registry_costs_the_router_nothing_but_that_entry(redis_server):
+    """Bytes no writer of ours puts there (not UTF-8) in the replica set and in the change stream: the
+    records still read and refresh, and a genuine change after them is applied."""
+
+    async def scenario():
+        client, sink, records = await registered(redis_server.url, ("a",))
+        stream = keys.changes_key(keys.DEFAULT_NAMESPACE)
+        await client.xadd(stream, {b"r": b"\x80", b"l": b"\xff"})
+        await client.xadd(stream, {b"r": b"a", b"l": b"\x80", b"g": b"0"})
+        await sink.write_state(state("a", running=6), ttl=60)
+        await records.refresh_changed()  # the garbage entries first, then the genuine one
+        assert records.states[records.position["a"]].load.num_running == 6
+        await client.sadd(keys.replicas_key(keys.DEFAULT_NAMESPACE), b"\xff\xfe")
+        await records.read()
+        assert [s.info.replica_id for s in records.states] == ["a"]
+        await client.aclose()
+
+    asyncio.run(scenario())
