@@ -95,34 +95,32 @@ class LoadOrders:
         the cost is O(changes); None compares them all by identity."""
         if states is self._of:
             return
-        if changed is not None and self._of is not None:
-            state_of, order_of = self._state_of, self._order_of
-            for s in changed:
-                rid = s.info.replica_id
-                old = state_of.get(rid)
-                if old is s:
-                    continue
-                if old is not None and old.info is s.info and s.load.healthy and rid in order_of:
-                    order_of[rid].move(s)  # the common case: only its load moved
-                else:
-                    self._drop(rid)
-                    self._put(s, sort=True)
-                state_of[rid] = s
-            self._of = states
-            return
-        old = self._state_of
-        new = {s.info.replica_id: s for s in states}
-        changed = [s for rid, s in new.items() if old.get(rid) is not s]
-        gone = [rid for rid in old if rid not in new]
-        if self._of is None or len(changed) + len(gone) > REBUILD_SHARE * max(1, len(states)):
-            self._rebuild(states)
-        else:
+        if changed is None or self._of is None:
+            new = {s.info.replica_id: s for s in states}
+            changed = [s for rid, s in new.items() if self._state_of.get(rid) is not s]
+            gone = [rid for rid in self._state_of if rid not in new]
+            if self._of is None or len(changed) + len(gone) > REBUILD_SHARE * max(1, len(states)):
+                self._rebuild(states)
+                self._of, self._state_of = states, new
+                return
             for rid in gone:
                 self._drop(rid)
-            for s in changed:
-                self._drop(s.info.replica_id)
-                self._put(s, sort=True)
-        self._of, self._state_of = states, new
+                del self._state_of[rid]
+        for s in changed:
+            self._move(s)
+        self._of = states
+
+    def _move(self, s: ReplicaState) -> None:
+        rid = s.info.replica_id
+        old = self._state_of.get(rid)
+        if old is s:
+            return
+        if old is not None and old.info is s.info and s.load.healthy and rid in self._order_of:
+            self._order_of[rid].move(s)  # the common case: only its load moved
+        else:
+            self._drop(rid)
+            self._put(s, sort=True)
+        self._state_of[rid] = s
 
     def _rebuild(self, states: list[ReplicaState]) -> None:
         self.models, self._order_of = {}, {}
