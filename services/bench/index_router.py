@@ -11,6 +11,7 @@ router is idle, so its background record refresh runs while the fleet publishes,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -43,7 +44,11 @@ class RouterProcess:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._finished: list[str] = []
-        self._call(("ready",))
+        try:
+            self._call(("ready",))
+        except BaseException:  # e.g. Redis unreachable: the router must not outlive the bench
+            self.close()
+            raise
 
     def decide(self, hashes: list[int]) -> tuple[str, int]:
         """(the replica chosen for this prompt, the leading blocks it holds or was claimed for); the router
@@ -84,6 +89,18 @@ class RouterProcess:
         return reply
 
 
+def _reader(conn, inbox: asyncio.Queue, loop):
+    """The pipe's readable callback. A bench that went away (EOF) closes the router: left registered, an
+    EOF pipe would be readable forever and spin the loop."""
+    def read() -> None:
+        try:
+            inbox.put_nowait(conn.recv())
+        except (EOFError, OSError):
+            loop.remove_reader(conn.fileno())
+            inbox.put_nowait(("close",))
+    return read
+
+
 def _serve(conn, url: str, identity: ModelIdentity, block_size: int) -> None:
     asyncio.run(_router(conn, url, identity, block_size))
 
@@ -103,7 +120,7 @@ async def _router(conn, url: str, identity: ModelIdentity, block_size: int) -> N
     inbox: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     # The pipe is read when it is readable, so the refresh loop runs between two messages.
-    loop.add_reader(conn.fileno(), lambda: inbox.put_nowait(conn.recv()))
+    loop.add_reader(conn.fileno(), _reader(conn, inbox, loop))
     latencies: list[float] = []
     cpu = 0.0
     try:
@@ -129,7 +146,8 @@ async def _router(conn, url: str, identity: ModelIdentity, block_size: int) -> N
                 elif msg[0] == "totals":
                     reply = (latencies, cpu)  # plain types: the child runs as __main__
                 else:  # close
-                    conn.send(True)
+                    with contextlib.suppress(OSError):  # the bench may be gone already
+                        conn.send(True)
                     return
             except Exception as exc:  # raised on the bench's side (as text: not every exception pickles)
                 reply = RuntimeError(f"{type(exc).__name__}: {exc}")

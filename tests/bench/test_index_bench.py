@@ -59,3 +59,16 @@ def test_the_command_runs_its_own_redis_and_writes_the_json(tmp_path, capsys):
         assert key in row
     printed = capsys.readouterr().out
     assert "H200 rate, replayed" in printed and "medians of 2 passes" in printed
+
+
+def test_the_bench_router_exits_when_the_bench_goes_away(redis_server):
+    """A bench that dies without saying close (killed, crashed): the router process sees the pipe's end and
+    exits, instead of spinning on an EOF pipe forever."""
+    from services.bench.index_bench import BLOCK, SEED
+    from services.bench.index_router import RouterProcess
+    from services.registry.model import ModelIdentity
+
+    router = RouterProcess(redis_server.url, ModelIdentity("m", BLOCK, SEED), BLOCK)
+    router._conn.close()  # the bench's end of the pipe goes away
+    router._proc.wait(timeout=15)
+    assert router._proc.returncode is not None
