@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 PORT ?= 8000
 
-.PHONY: install run test lint bench vllm-env clean
+.PHONY: install run test lint bench vllm-env clean import-graph
 
 install: $(VENV)/.installed
 
@@ -55,3 +55,7 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) .venv-images .tools .pytest_cache .ruff_cache
 
 -include make/*.mk
+
+# The tree's import graph: rooms, arrows, circles, arrows back up (services/commands/import_graph.py).
+import-graph:
+	python3 -m services.commands.import_graph

@@ -4,7 +4,6 @@ scheduler services, imported in a fresh interpreter, load neither torch nor what
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import subprocess
@@ -12,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from services.commands.import_graph import imports_of, module_name, summary
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
@@ -29,31 +30,6 @@ def forbidden_arrows() -> dict[str, list[str]]:
         rules[cells[0].strip("`")] = [p.strip().strip("`") for p in cells[1].split(",")]
     assert len(rules) >= 10, rules
     return rules
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def imports_of(path: Path) -> set[str]:
-    """Every module `path` imports, absolute, wherever in the file the import statement is."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    return found
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -75,6 +51,15 @@ def test_the_import_graph_has_no_arrow_the_architecture_forbids():
                 if hit:
                     violations.append(f"{mod} imports {imported} (forbidden for {owner}: {hit[0]})")
     assert not violations, "\n".join(sorted(set(violations)))
+
+
+def test_the_tree_has_no_circle_and_no_arrow_back_up():
+    """`make import-graph` prints the same graph; a circle between modules or rooms means some module
+    lives in the wrong room."""
+    graph = summary()
+    assert graph["module_circles"] == [], graph["module_circles"]
+    assert graph["room_circles"] == [], graph["room_circles"]
+    assert graph["arrows_back_up"] == [], graph["arrows_back_up"]
 
 
 def test_every_package_has_a_rule():
