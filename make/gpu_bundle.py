@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# What services.bench.gpu_check imports beyond torch and Triton (and torch's own dependencies), found by
-# running its dry run with an interpreter that holds only those (tests/bench/test_gpu_bundle.py does).
+# What services.device_check.run imports beyond torch and Triton (and torch's own dependencies), found by
+# running its dry run with an interpreter that holds only those (tests/device_check/test_gpu_bundle.py does).
 CHECK_REQUIREMENTS = ("numpy>=1.26", "xxhash>=3.4", "safetensors>=0.4")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")

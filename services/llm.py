@@ -12,14 +12,15 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from services.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from services.contracts.byte_size import parse_bytes
 from services.engine.config import EngineConfig
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.model_files.tokenizer import ModelTokenizer
+from services.request.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
 from services.scheduler.request_output import RequestOutput
-from services.settings import parse_bytes
-from services.tokenizer import ModelTokenizer
 
 
 class LLM:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from services.commands.ports import free_port
 from services.commands.redis_binary import find_redis_server, missing_message
-from services.ports import free_port
 
 # Triton kernels (kernel tests, the engine on its Triton backend) run through Triton's CPU interpreter.
 # It must be on before any kernel is defined: here, before any test module imports `kernels.triton_*`
@@ -126,7 +126,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from services.model_source import resolve_model
+    from services.model_files.model_source import resolve_model
 
     src = resolve_model(None)
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -176,8 +176,8 @@ class AppServer:
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The real SmolLM2 tokenizer (chat template included)."""
-    from services.model_source import resolve_model
-    from services.tokenizer import ModelTokenizer
+    from services.model_files.model_source import resolve_model
+    from services.model_files.tokenizer import ModelTokenizer
 
     return ModelTokenizer(resolve_model(None))
 
@@ -187,6 +187,6 @@ def hf_smol_tokenizer():
     """transformers' own tokenizer of SmolLM2: what ModelTokenizer must agree with."""
     from transformers import AutoTokenizer
 
-    from services.model_source import resolve_model
+    from services.model_files.model_source import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(None)))

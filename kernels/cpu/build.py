@@ -45,7 +45,7 @@ class BuildTimeout(RuntimeError):
 
 
 def cache_root() -> Path:
-    # services.model_source.cache_root's rule; kernels may not import services (docs/architecture.md).
+    # services.model_files.model_source.cache_root's rule; kernels may not import services (docs/architecture.md).
     env = os.environ.get("PAGEDSERVE_CACHE_DIR")
     if env:
         return Path(env)

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from services import model_source
+from services.model_files import model_source
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import ipaddress
 import logging
 import signal
 
+from services.contracts.internal_auth import InternalToken
 from services.engine.config import EngineConfig
-from services.internal_auth import InternalToken
 from services.transport.engine_server import EngineServer
 
 log = logging.getLogger(__name__)

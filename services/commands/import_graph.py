@@ -8,10 +8,11 @@ inside functions included, since a lazy import is still an arrow the reader has 
   `services` room, the hallway.
 - An *arrow* is an import from a module of one room to a module of another (each pair counted once per
   module pair).
-- A *circle* is a set of modules (or of rooms) each reachable from every other one.
-- An *arrow back up* is an arrow from a room into one of its ancestor rooms' own modules (not the
-  ancestor's `__init__`) that closes a circle between the two rooms: the child needs the parent that
-  needs the child.
+- A *circle* is a set of modules each reachable from every other one; a room circle, the same between
+  rooms, where a package and its own subpackages count as one house (the engine's `lora/` may use the
+  engine's `tp_shard` while the engine uses `lora/`: no circle).
+- An *arrow back up* is an import from a room into one of its ancestor rooms whose target module
+  (transitively) imports the importing module again: the child needs a parent that needs the child.
 """
 
 from __future__ import annotations
@@ -117,6 +118,16 @@ def strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[lis
     return sorted(found)
 
 
+def reachable(start: str, edges: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
 def summary(repo: Path = REPO) -> dict:
     files, edges = module_graph(repo)
     rooms: dict[str, list[str]] = defaultdict(list)
@@ -130,14 +141,14 @@ def summary(repo: Path = REPO) -> dict:
                 arrows[(a, b)] += 1
     room_edges: dict[str, set[str]] = defaultdict(set)
     for a, b in arrows:
-        room_edges[a].add(b)
+        if not (a.startswith(b + ".") or b.startswith(a + ".")):
+            room_edges[a].add(b)
     room_circles = strongly_connected(sorted(rooms), room_edges)
-    in_circle = {r: i for i, comp in enumerate(room_circles) for r in comp}
     back_up = sorted(
         f"{mod} -> {target}"
         for mod, targets in edges.items() for target in targets
         if (a := room_of(mod, files)) != (b := room_of(target, files)) and a.startswith(b + ".")
-        and files[target].name != "__init__.py" and a in in_circle and in_circle.get(b) == in_circle[a])
+        and mod in reachable(target, edges))
     loose = sorted(m for m in rooms.get("services", []) if m != "services")
     return {
         "modules": len(files),

@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from services.internal_auth import InternalToken
+from services.contracts.internal_auth import InternalToken
 from services.transport.wire import WireRequest, decode_reply, encode_request
 
 

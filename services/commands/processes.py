@@ -3,7 +3,7 @@
 Each child dies with its parent (Linux's PR_SET_PDEATHSIG; the signal comes when the *thread* that
 started it exits, so start children from a long-lived thread) and has its own process group, so a
 terminal's Ctrl-C reaches the parent, which stops its children in order. Flags are passed through
-from the parent's own parsed options (services.settings), exactly as Kubernetes would pass them.
+from the parent's own parsed options (services.commands.settings), exactly as Kubernetes would pass them.
 """
 
 from __future__ import annotations

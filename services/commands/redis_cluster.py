@@ -17,9 +17,9 @@ from pathlib import Path
 
 import redis
 
+from services.commands.ports import free_port, reserve
 from services.commands.processes import Child
 from services.commands.redis_binary import find_redis_server, missing_message
-from services.ports import free_port, reserve
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 1000

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.internal_auth import InternalToken
-from services.model_source import resolve_tokenizer
+from services.contracts.internal_auth import InternalToken
+from services.model_files.model_source import resolve_tokenizer
+from services.model_files.tokenizer import ModelTokenizer
 from services.openai_api.server import make_server, run_servers
 from services.registry.redis_sink import connect, redacted
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
-from services.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 

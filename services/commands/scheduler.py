@@ -12,11 +12,11 @@ import asyncio
 import logging
 import socket
 
-from services.internal_auth import InternalToken
-from services.model_source import resolve_tokenizer
+from services.contracts.internal_auth import InternalToken
+from services.model_files.model_source import resolve_tokenizer
+from services.model_files.tokenizer import ModelTokenizer
 from services.openai_api.server import LivenessApp, StartingApp, make_server, run_servers
 from services.replica.service import ReplicaSettings, build_replica
-from services.tokenizer import ModelTokenizer
 from services.transport.remote_executor import RemoteExecutor
 
 log = logging.getLogger(__name__)

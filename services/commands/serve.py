@@ -16,18 +16,18 @@ import logging
 import sys
 import time
 
+from services.commands.ports import free_port
 from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.scheduler import replica_settings
-from services.internal_auth import InternalToken
+from services.contracts.internal_auth import InternalToken
+from services.model_files.tokenizer import ModelTokenizer
 from services.openai_api.errors import APIError
 from services.openai_api.server import make_server, run_servers
-from services.ports import free_port
 from services.registry.memory_index import MemoryIndex
 from services.replica.service import build_replica
 from services.router.app import create_router_app
 from services.router.auth import ApiKeys
 from services.router.service import RouterConfig, RouterService
-from services.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ def _in_process_engine(args):
 
 def _engine_child(args, token: InternalToken):
     """Start `pagedserve engine` on a loopback port and wait for its handshake, watching that it lives."""
-    from services.model_source import resolve_tokenizer
+    from services.model_files.model_source import resolve_tokenizer
     from services.transport.remote_executor import RemoteExecutor
 
     port = free_port()
-    child = Child("engine", [sys.executable, "-m", "services.cli", "engine", "--host", "127.0.0.1", "--port",
+    child = Child("engine", [sys.executable, "-m", "services.commands.cli", "engine", "--host", "127.0.0.1", "--port",
                              str(port), *flags(args, ENGINE_FLAGS)], token.env())
     child.start()
     executor = RemoteExecutor(f"tcp://127.0.0.1:{port}", timeout=ENGINE_STEP_TIMEOUT, token=token)

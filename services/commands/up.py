@@ -5,7 +5,7 @@ With several models (`--model NAME=PATH[:REPLICAS]` repeated, services.commands.
 replica registers its model in the one registry and the routers serve them all, learning each model's
 tokenizer from there (they are given no model).
 
-Every service runs as its own `pagedserve` process with the flags of services.settings, exactly as in
+Every service runs as its own `pagedserve` process with the flags of services.commands.settings, exactly as in
 Kubernetes, so this is the multi-process deployment on one machine. A replica process that dies is
 restarted (and rejoins through the registry); Ctrl-C stops routers first, then replicas, then Redis.
 """
@@ -21,13 +21,13 @@ import time
 
 import httpx
 
-from services import settings as S
+from services.commands import settings as S
 from services.commands.model_specs import parse_model_specs
+from services.commands.ports import free_port
 from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.redis_binary import find_redis_server, missing_message
 from services.commands.redis_cluster import LocalRedisCluster
-from services.internal_auth import InternalToken
-from services.ports import free_port
+from services.contracts.internal_auth import InternalToken
 from services.registry.redis_sink import redacted
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class LocalCluster:
         self.args = args
         self.models = parse_model_specs(getattr(args, "model", None), replicas,
                                         getattr(args, "served_model_name", None))
-        self.cli = [python, "-m", "services.cli"]
+        self.cli = [python, "-m", "services.commands.cli"]
         self.redis: Child | None = None
         self.redis_cluster: LocalRedisCluster | None = None
         self.redis_url = getattr(args, "redis_url", None)

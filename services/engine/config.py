@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.settings import parse_bytes
+from services.contracts.byte_size import parse_bytes
 
 LOAD_FORMATS = ("safetensors", "random")
 
@@ -58,7 +58,7 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args) -> EngineConfig:
-        """From the parsed flags of any command that starts an engine (services.settings)."""
+        """From the parsed flags of any command that starts an engine (services.commands.settings)."""
         def opt(name: str, default):
             value = getattr(args, name, None)
             return default if value is None else value

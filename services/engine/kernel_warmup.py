@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from services.step_protocol import SamplingSpec, ScheduledSequence, SchedulerOutput
+from services.contracts.step_protocol import SamplingSpec, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

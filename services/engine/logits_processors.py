@@ -19,7 +19,7 @@ from itertools import chain, repeat
 
 import torch
 
-from services.step_protocol import PenaltySpec
+from services.contracts.step_protocol import PenaltySpec
 
 
 def _flat(device: torch.device, lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 import kernels.cpu as cpu_kernels
+from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
@@ -35,9 +36,8 @@ from services.engine.sampler import Sampler
 from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
-from services.lora_files import AdapterError
-from services.model_source import model_id_of, resolve_model
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.model_files.lora_files import AdapterError
+from services.model_files.model_source import model_id_of, resolve_model
 
 log = logging.getLogger(__name__)
 

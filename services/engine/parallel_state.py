@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from services.step_protocol import EngineUnavailableError
+from services.contracts.step_protocol import EngineUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -105,7 +105,8 @@ class LocalRanks:
             env = dict(os.environ)
             if share is not None:
                 env["OMP_NUM_THREADS"] = str(share.threads)
-            argv = [sys.executable, "-m", "services.cli", "engine-worker", *flags, "--tp-node-rank", str(node_rank),
+            argv = [sys.executable, "-m", "services.commands.cli", "engine-worker", *flags, "--tp-node-rank",
+                    str(node_rank),
                     "--tp-local-rank", str(local), "--log-level", _log_level()]
             procs[first_rank + local] = subprocess.Popen(argv, env=env, preexec_fn=_child_setup(share))
         return cls(procs)

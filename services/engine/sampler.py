@@ -27,9 +27,9 @@ import torch
 import xxhash
 
 from kernels.token_bitmask import apply_token_bitmask, masked_argmax
+from services.contracts.step_protocol import PenaltySpec, SamplingSpec, TokenLogprobs
 from services.engine.logits_processors import apply_min_p, apply_penalties
-from services.sampling_params import MIN_TEMPERATURE
-from services.step_protocol import PenaltySpec, SamplingSpec, TokenLogprobs
+from services.request.sampling_params import MIN_TEMPERATURE
 
 
 @dataclass

@@ -24,6 +24,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from services.contracts.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 from services.engine.sampler import SampleRow
 from services.engine.step_validation import (
     INDEX_LIMIT,
@@ -34,7 +35,6 @@ from services.engine.step_validation import (
     penalties_ok,
     sampling_ok,
 )
-from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 
 _INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
 _INT32_FIELDS = ("decode_context_lens", "decode_block_tables", "prefill_query_start_loc",

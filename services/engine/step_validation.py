@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from services.step_protocol import SchedulerOutput, StepFault
+from services.contracts.step_protocol import SchedulerOutput, StepFault
 
 # The sampler's ranges. Seeds are hashed as 64-bit values; a top_k past the vocabulary keeps every token.
 MAX_NUM_SAMPLES = 128  # one prompt's forks sampled in the step its prefill ends (the API's largest n)
@@ -34,7 +34,7 @@ class StepLimits:
 
 
 def bitmask_size(vocab_size: int) -> int:
-    """Bytes of a packed token mask (services.step_protocol.ScheduledSequence.token_bitmask)."""
+    """Bytes of a packed token mask (services.contracts.step_protocol.ScheduledSequence.token_bitmask)."""
     return 4 * ((vocab_size + 31) // 32)
 
 
@@ -77,7 +77,7 @@ def _sampling_faults(seq_id: str, spec, vocab_size: int) -> list[StepFault]:
     return out
 
 
-# A PenaltySpec's ranges (services.sampling_params checks the same, more tightly, on the request side).
+# A PenaltySpec's ranges (services.request.sampling_params checks the same, more tightly, on the request side).
 PENALTY_LIMIT = 2.0
 REPETITION_RANGE = (0.01, 100.0)
 BIAS_LIMIT = 100.0

@@ -30,7 +30,7 @@ from services.engine.model_runner import ModelRunner, pick_device
 from services.engine.parallel_state import RankGroup, RankPlace
 from services.engine.rank_processes import LocalRanks, OwnShare, cpu_shares
 from services.engine.tp_shard import TensorParallelConfigError, TensorParallelShard
-from services.model_source import resolve_model
+from services.model_files.model_source import resolve_model
 
 log = logging.getLogger(__name__)
 

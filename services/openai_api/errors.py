@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.sampling_params import InvalidRequestError
+from services.request.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

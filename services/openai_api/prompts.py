@@ -15,7 +15,8 @@ from services.openai_api.protocol import ChatCompletionRequest, CompletionReques
 from services.openai_api.structured import structured_outputs_of
 from services.openai_api.tool_grammar import tool_constraint
 from services.openai_api.tool_prompt import CALL_CLOSE, ToolUse, template_messages, tool_use
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 INLINE_TOKENIZE_CHARS = 20_000  # longer texts are tokenized in a worker thread

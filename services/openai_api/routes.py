@@ -70,12 +70,13 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def add_openai_routes(app: FastAPI, handler, models: Callable[[Request], Awaitable[dict]],
-                      render_metrics: Callable[[], tuple[bytes, str]]) -> None:
-    """`handler` has async completions(request), chat(request), responses(request),
-    tokenize(request) and detokenize(request)."""
+                      render_metrics: Callable[[], tuple[bytes, str]],
+                      responses: Callable[[Request], Awaitable[Response]] | None = None) -> None:
+    """`handler` has async completions(request), chat(request), tokenize(request), detokenize(request) and,
+    unless `responses` is given, responses(request)."""
     app.add_api_route("/v1/completions", handler.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handler.chat, methods=["POST"])
-    app.add_api_route("/v1/responses", handler.responses, methods=["POST"])
+    app.add_api_route("/v1/responses", responses or handler.responses, methods=["POST"])
     # vLLM's paths (no /v1 prefix).
     app.add_api_route("/tokenize", handler.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", handler.detokenize, methods=["POST"])

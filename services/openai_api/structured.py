@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from services.openai_api.errors import APIError
 from services.openai_api.protocol import _SamplingFields
-from services.sampling_params import InvalidRequestError
-from services.structured_output.params import StructuredOutputsParams
+from services.request.errors import InvalidRequestError
+from services.request.structured_outputs import StructuredOutputsParams
 
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))

@@ -19,8 +19,8 @@ import json
 
 from services.openai_api.errors import APIError
 from services.openai_api.tool_prompt import CALL_CLOSE, CALL_OPEN, ToolUse
-from services.sampling_params import InvalidRequestError
-from services.structured_output.params import StructuredOutputsParams
+from services.request.errors import InvalidRequestError
+from services.request.structured_outputs import StructuredOutputsParams
 
 MAX_CALLS = 8  # calls in one answer; the next turn may call again
 

@@ -7,7 +7,7 @@
                             A write that changed only the load also carries it (field "l",
                             ReplicaLoad.to_compact; "g" the generation; "s" its HMAC): routers apply it
                             without reading the record
-    {ns}tokenizer:{digest}  a model's tokenizer bundle (services.tokenizer), named by the SHA-256 in its
+    {ns}tokenizer:{digest}  a model's tokenizer bundle (services.model_files.tokenizer), named by the SHA-256 in its
                             replicas' signed records; expires unless a replica of it heartbeats
     {ns}blk:{<hash>}        ZSET generation -> expiry (ms): the replicas holding one block, for the chain
                             positions the index files (services.registry.index_grid). A stored block

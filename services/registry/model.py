@@ -1,7 +1,7 @@
 """What the registry knows about a model replica, as it crosses from schedulers to routers.
 
 One record per replica holds its identity and its latest load, so a router reads both in one lookup.
-Block hashes are 64-bit unsigned ints (services.block_hash); in Redis they are decimal strings.
+Block hashes are 64-bit unsigned ints (services.contracts.block_hash); in Redis they are decimal strings.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ class ReplicaInfo:
     block_size: int
     max_model_len: int
     capacity: int  # requests it runs at once (max_num_seqs): the scale of its load figures
-    hash_seed: int  # root of its block-hash chains (services.block_hash.model_hash_seed of its engine)
+    hash_seed: int  # root of its block-hash chains (services.contracts.block_hash.model_hash_seed of its engine)
     # The id its blocks are filed under in the prefix index (services.registry.keys): a new random one at
     # each full resync, so the entries of an old generation, or of a dead replica, simply stop counting.
     generation: int = 0
     adapters: dict[str, str] = field(default_factory=dict)  # resident LoRA adapters: name -> adapter_digest
-    # SHA-256 of its tokenizer bundle (services.tokenizer.read_bundle), published under this digest in the
+    # SHA-256 of its tokenizer bundle (services.model_files.tokenizer.read_bundle), published under this digest in the
     # registry: routers fetch a model's tokenizer and chat template from there and verify them by it.
     tokenizer_digest: str = ""
     # Seconds this replica took to make an adapter resident (its last load; 0: none measured yet): what
@@ -182,7 +182,7 @@ class PrefixIndex(Protocol):
         ...
 
     async def tokenizer(self, digest: str) -> bytes | None:
-        """A tokenizer bundle a replica published (services.tokenizer), by its digest."""
+        """A tokenizer bundle a replica published (services.model_files.tokenizer), by its digest."""
         ...
 
     async def close(self) -> None: ...

@@ -33,8 +33,8 @@ class ReplicaSource(Protocol):
 class ReplicaPublisher:
     def __init__(self, sink: RegistrySink, info: ReplicaInfo, source: ReplicaSource,
                  heartbeat_interval: float = 1.0, event_interval: float = 0.02, tokenizer_bundle: bytes | None = None):
-        """`tokenizer_bundle`: the replica's tokenizer files (services.tokenizer.read_bundle), published under
-        info.tokenizer_digest so routers need no copy of the model."""
+        """`tokenizer_bundle`: the replica's tokenizer files (services.model_files.tokenizer.read_bundle),
+        published under info.tokenizer_digest so routers need no copy of the model."""
         self.sink = sink
         self.tokenizer_bundle = tokenizer_bundle
         self.info = info

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.openai_api.tool_prompt import ToolUse
-from services.replica import responses as R
+from services.replica import openai_bodies as R
 from services.replica.tool_calls import ToolCallParser
 from services.scheduler.request_output import RequestOutput
 

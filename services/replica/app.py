@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from services.openai_api.routes import add_openai_routes, bare_app, models_body
 from services.replica.lora_admin import LoraAdmin
 from services.replica.metrics import SchedulerMetrics
-from services.replica.serving import OpenAIServing
+from services.replica.openai_serving import OpenAIServing
+from services.replica.responses_endpoint import ResponsesEndpoint
 
 
 def create_replica_app(serving: OpenAIServing, metrics: SchedulerMetrics,
@@ -31,7 +32,7 @@ def create_replica_app(serving: OpenAIServing, metrics: SchedulerMetrics,
                          for name, ref in list(serving.adapters.items())]
         return body
 
-    add_openai_routes(app, serving, models, metrics.render)
+    add_openai_routes(app, serving, models, metrics.render, responses=ResponsesEndpoint(serving).responses)
     if lora_admin is not None:
         app.add_api_route("/v1/load_lora_adapter", lora_admin.load, methods=["POST"])
         app.add_api_route("/v1/unload_lora_adapter", lora_admin.unload, methods=["POST"])

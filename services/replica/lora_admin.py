@@ -5,7 +5,7 @@ The admin key is its own secret (`--lora-admin-key`): an API key lets a client u
 change them, and the internal token belongs to the routers. Without an admin key the endpoints answer
 403. A path is served only from inside `--lora-dir` once every symlink is resolved, only as
 safetensors (never pickle), within the rank and size limits; what is wrong is a 400 naming it, checked
-here before the engine reads anything (services/lora_files.py) and again by the engine against the
+here before the engine reads anything (services/model_files/lora_files.py) and again by the engine against the
 model's shapes. The load itself runs on the step loop between two steps: requests in flight go on.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from services.lora_files import AdapterError, read_adapter
+from services.model_files.lora_files import AdapterError, read_adapter
 from services.openai_api.body import read_json_body
 from services.openai_api.errors import APIError
 
@@ -32,7 +32,7 @@ _UNLOAD_FIELDS = {"lora_name", "lora_int_id"}
 
 
 class LoraAdmin:
-    """`replica`: services.replica.health.Replica; `base_model`: the served name an adapter may not take;
+    """`replica`: services.replica.replica_state.Replica; `base_model`: the served name an adapter may not take;
     `on_change`: called after every load or unload (the registry record names the resident adapters)."""
 
     def __init__(self, replica, base_model: str, admin_key: str | None, lora_dir: str | None,

@@ -1,7 +1,7 @@
 """Loading a LoRA adapter on demand: the first request a router sends here for an adapter that another
 replica's registry record names loads `<--lora-dir>/<name>` once, as vLLM's filesystem resolver does.
 
-The router sends the digest it resolved (services.lora_files.DIGEST_HEADER, on the hop its internal
+The router sends the digest it resolved (services.model_files.lora_files.DIGEST_HEADER, on the hop its internal
 token guards), and only those weights are ever served under that name: an adapter resident here under
 the same name with other bytes, or files in the directory that hash differently, are refused. Every
 refusal (no --lora-dir, missing or bad files, other weights, no room for one more adapter) is a 503
@@ -18,7 +18,7 @@ import asyncio
 import logging
 import re
 
-from services.lora_files import UNAVAILABLE_CODE, AdapterError
+from services.model_files.lora_files import UNAVAILABLE_CODE, AdapterError
 from services.openai_api.errors import APIError
 from services.replica.lora_admin import MAX_NAME_CHARS, LoraAdmin
 

@@ -1,4 +1,4 @@
-"""The scheduler's Prometheus metrics, under the names of services.metric_names.
+"""The scheduler's Prometheus metrics, under the names of services.contracts.metric_names.
 
 Queue, KV and token counters are read from the engine core's stats at scrape time (one source of
 truth, nothing to keep in sync); latency histograms are observed per request by the HTTP layer.
@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services import metric_names as M
+from services.contracts import metric_names as M
 from services.scheduler.request_output import SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

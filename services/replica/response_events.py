@@ -35,7 +35,7 @@ class ResponseEvents:
         self._seq = 0
         self.finish_reason: str | None = None
 
-    # -- the stream format of services.replica.serving ----------------------------------------------
+    # -- the stream format of services.replica.openai_serving ----------------------------------------------
     def opening(self) -> list[str]:
         snapshot = self.snapshot("in_progress")
         return [self._event("response.created", response=snapshot),

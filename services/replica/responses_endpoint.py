@@ -16,7 +16,7 @@ from services.openai_api.responses_protocol import parse_responses_request, resp
 from services.replica.response_events import ResponseEvents
 
 if TYPE_CHECKING:
-    from services.replica.serving import OpenAIServing
+    from services.replica.openai_serving import OpenAIServing
 
 
 class ResponsesEndpoint:

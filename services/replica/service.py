@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
-from services.internal_auth import InternalToken
+from services.contracts.internal_auth import InternalToken
+from services.model_files.tokenizer import ModelTokenizer
 from services.registry.model import RegistrySink, ReplicaInfo
 from services.registry.publisher import ReplicaPublisher
 from services.replica.app import create_replica_app
-from services.replica.health import Replica
 from services.replica.lora_admin import LoraAdmin
 from services.replica.lora_demand import DEFAULT_MAX_ADAPTERS, OnDemandLoader
 from services.replica.metrics import SchedulerMetrics
-from services.replica.serving import OpenAIServing, ServingConfig
-from services.tokenizer import ModelTokenizer
+from services.replica.openai_serving import OpenAIServing, ServingConfig
+from services.replica.replica_state import Replica
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""The router's Prometheus metrics, under the names of services.metric_names."""
+"""The router's Prometheus metrics, under the names of services.contracts.metric_names."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services import metric_names as M
+from services.contracts import metric_names as M
 
 
 class RouterMetrics:

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from services.internal_auth import HEADER, InternalToken
-from services.lora_files import UNAVAILABLE_CODE
+from services.contracts.internal_auth import HEADER, InternalToken
+from services.model_files.lora_files import UNAVAILABLE_CODE
 from services.openai_api.errors import APIError, error_body
 from services.openai_api.streams import ClientGone, until_disconnect
 from services.registry.model import ReplicaState

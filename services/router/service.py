@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from services.block_hash import adapter_seed, hash_blocks, salted_seed
-from services.internal_auth import InternalToken
-from services.lora_files import DIGEST_HEADER
+from services.contracts.block_hash import adapter_seed, hash_blocks, salted_seed
+from services.contracts.internal_auth import InternalToken
+from services.model_files.lora_files import DIGEST_HEADER
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
 from services.openai_api.prompts import prepare_async
@@ -34,7 +34,6 @@ from services.openai_api.tokenize import parse_detokenize, parse_tokenize
 from services.openai_api.tokenize import tokenize as tokenize_request
 from services.openai_api.tool_grammar import compile_constraint
 from services.registry.model import PrefixIndex
-from services.router.admission import ModelQueues
 from services.router.auth import ApiKeys
 from services.router.metrics import RouterMetrics
 from services.router.policies import RANKED, RouteRequest, make_policy, match_ratio, shortlists, useful_blocks
@@ -42,6 +41,7 @@ from services.router.proxy import Proxy
 from services.router.replicas import NoReplicasError, ReplicaFilter, ReplicaView, ServedModel, saturated
 from services.router.request_time import RequestTimes
 from services.router.tokenizers import ModelText, ModelTokenizers
+from services.router.waiting_queue import ModelQueues
 
 log = logging.getLogger(__name__)
 

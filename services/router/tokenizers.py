@@ -1,6 +1,6 @@
 """Each served model's tokenizer, chat template and grammar compiler, learned from the registry.
 
-A replica publishes its tokenizer files as one bundle under their SHA-256 (services.tokenizer), and names
+A replica publishes its tokenizer files as one bundle under their SHA-256 (services.model_files.tokenizer), and names
 that digest in its signed record. The router fetches a model's bundle the first time it routes to it,
 checks it against the digest, and keeps it: routers need no copy of any model and no shared volume, and
 a bundle that does not match its digest is never used. Models are told apart by digest, so two models
@@ -14,11 +14,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from services.model_files.tokenizer import ModelTokenizer, bundle_digest
 from services.openai_api.errors import APIError
 from services.registry.model import PrefixIndex
 from services.router.replicas import NoReplicasError
 from services.structured_output.compiler import GrammarCompiler
-from services.tokenizer import ModelTokenizer, bundle_digest
 
 log = logging.getLogger(__name__)
 

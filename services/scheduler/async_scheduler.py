@@ -15,7 +15,8 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.request_output import RequestOutput, SchedulerStats
 
@@ -34,7 +35,7 @@ def default_max_waiting(core: SchedulerCore) -> int:
     return max(2 * core.scheduler.config.max_num_seqs, capacity_tokens // 512)
 
 
-class Admission:
+class QueueReservation:
     """The sequences one HTTP request holds in this replica's bounded queue, until it ends."""
 
     def __init__(self, owner: AsyncScheduler, num_seqs: int):
@@ -64,14 +65,14 @@ class AsyncScheduler:
         self._thread.start()
 
     # -- client side (event loop thread) ----------------------------------------------------
-    def admit(self, num_seqs: int) -> Admission:
+    def admit(self, num_seqs: int) -> QueueReservation:
         """Hold room for `num_seqs` sequences (released by the caller when the request ends), or raise
         QueueFullError: memory and queueing delay stay bounded whatever arrives."""
         if self._admitted + num_seqs > self.max_in_flight:
             raise QueueFullError(f"{self._admitted} sequences are in flight here and {num_seqs} more would "
                                  f"exceed the limit of {self.max_in_flight} (--max-waiting {self.max_waiting})")
         self._admitted += num_seqs
-        return Admission(self, num_seqs)
+        return QueueReservation(self, num_seqs)
 
     @property
     def admitted(self) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.beam_search import BeamCandidates, BeamSearch
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request_output import CompletionOutput

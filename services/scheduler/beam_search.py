@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from services.step_protocol import TokenLogprobs
+from services.contracts.step_protocol import TokenLogprobs
 
 _F32 = struct.Struct("<f")
 

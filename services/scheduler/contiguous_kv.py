@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import enum
 
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.sequence import Sequence
 

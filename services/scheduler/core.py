@@ -12,8 +12,16 @@ import time
 from collections import deque
 from functools import partial
 
-from services.block_hash import adapter_seed, model_hash_seed, salted_seed
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.contracts.block_hash import adapter_seed, model_hash_seed, salted_seed
+from services.contracts.step_protocol import (
+    EngineUnavailableError,
+    ModelRunnerOutput,
+    SamplingSpec,
+    ScheduledSequence,
+    SchedulerOutput,
+)
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler import beam_requests
 from services.scheduler.block_pool import KVEvent
 from services.scheduler.detokenizer import IncrementalDetokenizer
@@ -26,13 +34,6 @@ from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.serving_system import serving_system as get_serving_system
 from services.scheduler.step_isolation import execute_isolating
-from services.step_protocol import (
-    EngineUnavailableError,
-    ModelRunnerOutput,
-    SamplingSpec,
-    ScheduledSequence,
-    SchedulerOutput,
-)
 from services.structured_output.compiler import CompiledGrammar, GrammarCompiler
 from services.structured_output.guide import bitmask_bytes, compute_bitmasks
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(Protocol):

@@ -6,7 +6,7 @@ partial block shared after a fork is copied (copy-on-write) before the first wri
 
 from __future__ import annotations
 
-from services.block_hash import hash_blocks
+from services.contracts.block_hash import hash_blocks
 from services.scheduler.block_pool import BlockPool, KVBlock
 from services.scheduler.sequence import Sequence
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from services.lora_files import AdapterError
+from services.model_files.lora_files import AdapterError
 from services.scheduler.lora_residency import LoraRef, LoraResidency
 
 log = logging.getLogger(__name__)

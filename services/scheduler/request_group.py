@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.sampling_params import SamplingParams
+from services.request.sampling_params import SamplingParams
 from services.scheduler import beam_requests
 from services.scheduler.beam_search import BeamSearch
 from services.scheduler.lora_residency import LoraRef

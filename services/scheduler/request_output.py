@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.step_protocol import TokenLogprobs
+from services.contracts.step_protocol import TokenLogprobs
 
 
 @dataclass

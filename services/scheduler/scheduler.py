@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from services.scheduler.admission import Batching
+from services.contracts.step_protocol import ScheduledSequence, SchedulerOutput
+from services.scheduler.batching import Batching
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.lora_residency import LoraResidency
 from services.scheduler.sequence import Sequence, SequenceStatus
-from services.step_protocol import ScheduledSequence, SchedulerOutput
 
 # A request waits at most this many steps for blocks another request is computing (bounded, so FCFS
 # admission never turns into starvation).

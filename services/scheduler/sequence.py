@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 
-from services.sampling_params import SamplingParams
-from services.step_protocol import PenaltySpec, SamplingSpec
+from services.contracts.step_protocol import PenaltySpec, SamplingSpec
+from services.request.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -70,7 +70,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_deferrals = 0  # steps spent waiting for a shared prefix another request computes
         self.min_tokens_banned: list[int] = []  # what may not be sampled before min_tokens (set by the core)
-        self.hash_root: int | None = None  # root of its block-hash chain when salted (services.block_hash)
+        self.hash_root: int | None = None  # root of its block-hash chain when salted (services.contracts.block_hash)
         self.lora = None  # the LoraRef it runs with (services.scheduler.lora_residency); None: the base model
         self.num_lora_waits = 0  # steps it waited at the head of the queue for a LoRA slot
         # Beam search: the engine's top-K for its next token (until the search has used them), and the live

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.scheduler.admission import Batching
+from services.scheduler.batching import Batching
 from services.scheduler.block_pool import BlockPool, KVEvent
 from services.scheduler.contiguous_kv import ContiguousKVManager, Reservation
 from services.scheduler.kv_cache_manager import KVCacheManager

@@ -18,8 +18,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from services.contracts.step_protocol import (
+    EngineUnavailableError,
+    InvalidStepError,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from services.scheduler.executor import Executor
-from services.step_protocol import EngineUnavailableError, InvalidStepError, ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

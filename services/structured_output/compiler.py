@@ -27,9 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from services.sampling_params import InvalidRequestError
+from services.request.errors import InvalidRequestError
+from services.request.structured_outputs import StructuredOutputsParams
 from services.structured_output.guide import SequenceGuide
-from services.structured_output.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import zmq
 
-from services.internal_auth import InternalToken
-from services.lora_files import AdapterError
-from services.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput
+from services.contracts.internal_auth import InternalToken
+from services.contracts.step_protocol import EngineInfo, InvalidStepError, ModelRunnerOutput, SchedulerOutput
+from services.model_files.lora_files import AdapterError
 from services.transport.wire import WireReply, decode_request, encode_reply
 
 log = logging.getLogger(__name__)

@@ -17,15 +17,15 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.internal_auth import InternalToken
-from services.lora_files import AdapterError
-from services.step_protocol import (
+from services.contracts.internal_auth import InternalToken
+from services.contracts.step_protocol import (
     EngineInfo,
     EngineUnavailableError,
     InvalidStepError,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from services.model_files.lora_files import AdapterError
 from services.transport.wire import WireRequest, decode_reply, encode_request
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A request is `{"id": n, "op": name, "body": payload}`; a reply is `{"id": n, "ok
 "error": str, "instance": engine_instance_id}`. The id lets a client drop a late reply to a request it
 already gave up on; the instance id (random per engine process) lets it notice that the engine was
 restarted between two steps, which means every KV block the scheduler thinks is cached is gone.
-Payloads are the `to_wire()` dicts of `services.step_protocol`, encoded with msgpack.
+Payloads are the `to_wire()` dicts of `services.contracts.step_protocol`, encoded with msgpack.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def build_wheel(out: Path) -> Path:
 def bundled_model(tokenizer_only: bool) -> Path:
     """/opt/pagedserve/default-model of the images: what their model stage writes with `pagedserve convert`."""
     out = CACHE / "models" / ("default-model-tokenizer" if tokenizer_only else "default-model")
-    args = [sys.executable, "-m", "services.cli", "convert", "--output", str(out), "--log-level", "warning"]
+    args = [sys.executable, "-m", "services.commands.cli", "convert", "--output", str(out), "--log-level", "warning"]
     subprocess.run(args + (["--tokenizer-only"] if tokenizer_only else []), check=True, timeout=1800)
     return out
 

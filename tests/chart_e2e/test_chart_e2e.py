@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.internal_auth import HEADER
+from services.contracts.internal_auth import HEADER
 from tests.chart_e2e.cluster import Cluster
 from tests.chart_e2e.fake_apiserver import FakeApiServer
 from tests.chart_e2e.images import build_images
@@ -309,7 +309,7 @@ def test_a_lora_adapter_on_one_replica_then_loaded_by_the_other(release, tmp_pat
     """`helm upgrade` to LoRA (hostPath adapters, admin key from the chart's Secret), two replicas: an
     adapter loaded at run time on one replica through its admin endpoint gets every request for it; with
     that pod deleted, the other replica loads it on demand from the same volume and serves it."""
-    from services.model_source import resolve_model
+    from services.model_files.model_source import resolve_model
     from tests.engine.lora_adapters import save_random_adapter
 
     cluster = release

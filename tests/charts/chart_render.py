@@ -118,7 +118,7 @@ def pod_spec(workload: dict) -> dict:
 
 def args_of(container: dict):
     """A rendered container's args as its `pagedserve` command parses them."""
-    from services.cli import build_parser
+    from services.commands.cli import build_parser
 
     return build_parser().parse_args(container["args"])
 

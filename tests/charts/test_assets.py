@@ -1,5 +1,5 @@
 """What lives beside the chart: the Prometheus adapter rules, the Grafana dashboard and the KEDA example
-name metrics the services really export (services/metric_names.py); the Dockerfiles build the images the
+name metrics the services really export (services/contracts/metric_names.py); the Dockerfiles build the images the
 chart runs (non-root, the uid and paths the chart assumes); `make images` builds all three."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from services import metric_names as M
+from services.contracts import metric_names as M
 from tests.charts.chart_render import CHART, REPO, helm, parse_documents
 
 _METRIC = re.compile(r"\bpagedserve_[a-z0-9_]+\b")

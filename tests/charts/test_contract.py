@@ -1,7 +1,7 @@
-"""The chart runs the services the way the services define themselves (services/settings.py, services/cli.py):
-every container command is a real `pagedserve` subcommand whose flags parse, every env var is one a
-service reads, probes hit the ports and paths the services serve, and the values shared by several
-services (model, ports, limits) agree."""
+"""The chart runs the services the way the services define themselves (services/commands/settings.py,
+services/commands/cli.py): every container command is a real `pagedserve` subcommand whose flags parse,
+every env var is one a service reads, probes hit the ports and paths the services serve, and the values
+shared by several services (model, ports, limits) agree."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import re
 import pytest
 import yaml
 
-from services import settings
-from services.cli import build_parser
+from services.commands import settings
+from services.commands.cli import build_parser
 from services.openai_api.server import LIVENESS_PATH
 from tests.charts.chart_render import VARIANTS, pod_spec, render
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from services import metric_names as M
+from services.contracts import metric_names as M
 from tests.charts import values_doc
 from tests.charts.chart_render import NAMESPACE, RELEASE, args_of, pod_labels, pod_spec, render, render_error
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services import settings
+from services.commands import settings
 from tests.charts.chart_render import RELEASE, args_of, containers, pod_spec, render, render_error
 
 FULLNAME = f"{RELEASE}-pagedserve"

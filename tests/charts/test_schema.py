@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from services import settings
+from services.commands import settings
 from tests.charts.chart_render import CHART, render, render_error
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
@@ -125,7 +125,7 @@ def test_a_split_the_model_cannot_take_is_refused(args, where, reason):
 def test_the_bundled_models_split_is_the_engines():
     """The schema's sizes for the bundled model are the ones the engine itself accepts for it."""
     from services.engine.tp_shard import valid_sizes
-    from services.model_source import resolve_tokenizer
+    from services.model_files.model_source import resolve_tokenizer
 
     # The bundled model's own config (extracted once from its GGUF file, no weights converted).
     config = json.loads((resolve_tokenizer(None) / "config.json").read_text())

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from services.cli import build_parser
+from services.commands.cli import build_parser
 from tests.charts.chart_render import NAMESPACE, pod_spec, render
 from tests.json_http import send_json
 
@@ -132,7 +132,7 @@ def _engine_pre_stop(port: int, seconds: int) -> list[str]:
     assert command[0] == "pagedserve"
     args = [a.replace(":7000", f":{port}") if a.startswith("--engine=") else a for a in command[1:]]
     args = [f"--timeout={seconds}" if a.startswith("--timeout=") else a for a in args]
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "services.commands.cli", *args]
 
 
 def test_engine_pre_stop_waits_while_its_scheduler_is_connected():

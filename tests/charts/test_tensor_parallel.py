@@ -11,7 +11,7 @@ import copy
 import jsonschema
 import pytest
 
-from services.cli import build_parser
+from services.commands.cli import build_parser
 from services.engine.config import EngineConfig
 from tests.charts import lws_schema
 from tests.charts.chart_render import RELEASE, VARIANTS, pod_labels, pod_spec, render, selector_matches

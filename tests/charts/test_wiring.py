@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from services import metric_names as M
+from services.contracts import metric_names as M
 from tests.charts.chart_render import NAMESPACE, RELEASE, VARIANTS, pod_labels, pod_spec, render, selector_matches
 
 FULLNAME = f"{RELEASE}-pagedserve"
@@ -392,7 +392,7 @@ def test_no_secret_value_is_on_a_command_line(variant):
 @pytest.mark.parametrize("variant, secret, key", [("default", f"{FULLNAME}-internal", "internal-token"),
                                                   ("existing-secrets", "llm-internal-token", "token")])
 def test_routers_and_schedulers_share_the_internal_token_as_a_file(variant, secret, key):
-    from services.cli import build_parser
+    from services.commands.cli import build_parser
 
     rendered = render(variant)
     for component, name in (("router", "router"), ("replica", "scheduler")):

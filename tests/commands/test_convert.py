@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from services import model_source
 from services.commands.convert import convert
+from services.model_files import model_source
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "convert", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "services.commands.cli", "convert", *args], capture_output=True,
+                           text=True,
                           timeout=600)
 
 

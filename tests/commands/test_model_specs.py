@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.cli import build_parser
+from services.commands.cli import build_parser
 from services.commands.model_specs import ModelSpec, parse_model_specs
 from services.commands.up import LocalCluster
 

@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 
+from services.commands.ports import free_port
 from services.commands.prestop import established_connections
-from services.ports import free_port
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -23,7 +23,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def wait_cmd(host: str, port: int, timeout: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "wait-for-disconnect",
+    return subprocess.Popen([sys.executable, "-m", "services.commands.cli", "wait-for-disconnect",
                              f"--engine=tcp://{host}:{port}", f"--timeout={timeout}", "--interval=0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

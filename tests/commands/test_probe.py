@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 
+from services.commands.ports import free_port
 from services.commands.probe import engine_health
-from services.ports import free_port
 from tests.transport.test_engine_server import start_engine
 
 
 def probe(url: str, timeout: float = 2.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "probe", "engine", f"--engine={url}",
+    return subprocess.run([sys.executable, "-m", "services.commands.cli", "probe", "engine", f"--engine={url}",
                            f"--timeout={timeout}"], capture_output=True, text=True, timeout=60)
 
 

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
+from services.commands.ports import free_port_run
 from services.commands.up import LocalCluster
-from services.ports import free_port_run
 from tests.e2e.openai_checks import (
     LONG_SYSTEM,
     check_chat_and_completions,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from services.ports import free_port
+from services.commands.ports import free_port
 from services.registry import keys
 from tests.proc_children import cmdline, descendant_pids
 
@@ -55,7 +55,7 @@ def test_up_routes_an_adapter_to_its_one_resident_replica_or_loads_it_once(tiny_
 
     save_random_adapter(tiny_llama_dir, tmp_path / "adapters" / "sql", seed=1)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", f"alpha={tiny_llama_dir}",
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "up", "--model", f"alpha={tiny_llama_dir}",
                              "--model", f"beta={tiny_llama_dir}", "--replicas", "2", "--port", str(port),
                              "--host", "127.0.0.1", "--redis-url", redis_server.url, "--dtype", "float32",
                              "--device", "cpu", "--num-kv-blocks", "64", "--max-loras", "1",

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from services.ports import free_port
+from services.commands.ports import free_port
 
 pytest.importorskip("services.scheduler.async_scheduler")
 
@@ -19,7 +19,7 @@ pytest.importorskip("services.scheduler.async_scheduler")
 def test_scheduler_is_unready_until_its_engine_answers(tiny_llama_dir, redis_server):
     engine_port, port = free_port(), free_port()
     scheduler = subprocess.Popen([
-        sys.executable, "-m", "services.cli", "scheduler", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "services.commands.cli", "scheduler", "--host", "127.0.0.1", "--port", str(port),
         "--engine", f"tcp://127.0.0.1:{engine_port}", "--model", str(tiny_llama_dir), "--redis-url", redis_server.url,
         "--replica-id", "r0", "--log-level", "warning"])
     engine = None
@@ -36,7 +36,8 @@ def test_scheduler_is_unready_until_its_engine_answers(tiny_llama_dir, redis_ser
         assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
         body = {"model": "x", "prompt": "hi"}
         assert httpx.post(url + "/v1/completions", json=body, timeout=5).status_code == 503
-        engine = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "--host", "127.0.0.1", "--port",
+        engine = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "engine", "--host", "127.0.0.1",
+                                   "--port",
                                    str(engine_port), "--model", str(tiny_llama_dir), "--dtype", "float32",
                                    "--num-kv-blocks", "64", "--log-level", "warning"])
         while httpx.get(url + "/health", timeout=5).status_code != 200:

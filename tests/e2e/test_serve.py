@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from services.ports import free_port
+from services.commands.ports import free_port
 from tests.e2e.openai_checks import (
     check_bad_input,
     check_chat_and_completions,
@@ -29,7 +29,8 @@ pytest.importorskip("services.scheduler.async_scheduler")
 
 def start_serve(model_dir, *extra: str, env: dict | None = None):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "serve", "--host", "127.0.0.1",
+                             "--port", str(port),
                              "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
                              "--num-kv-blocks", "256", "--max-num-seqs", "8", "--log-level", "warning", *extra],
                             env=env)

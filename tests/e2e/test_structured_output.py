@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from services import metric_names as M
+from services.contracts import metric_names as M
 from tests.e2e.openai_checks import client, model_id
 from tests.e2e.test_serve import served
 
@@ -121,7 +121,8 @@ def test_bench_structured_checks_every_answer(serve_url):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "structured", "--endpoint", serve_url,
+    done = subprocess.run([sys.executable, "-m", "services.commands.cli", "bench", "structured", "--endpoint",
+                           serve_url,
                            "--num-requests", "10", "--concurrency", "4", "--max-tokens", "80"],
                           capture_output=True, text=True, timeout=300)
     # A random model may run a json_object or the whitespace trap to max_tokens (exit 1); never an invalid answer.

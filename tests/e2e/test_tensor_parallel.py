@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.ports import free_port
+from services.commands.ports import free_port
 from services.transport.remote_executor import RemoteExecutor
 from tests.e2e.test_serve import start_serve
 from tests.e2e.test_up import _alive
@@ -90,7 +90,8 @@ def test_serve_fails_a_stream_clearly_when_a_rank_dies_and_restarts_the_group(ti
 
 def test_up_runs_two_ranks_per_replica_and_ctrl_c_stops_them(tiny_llama_dir):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "up", "--replicas", "1", "--port",
+                             str(port),
                              "--host", "127.0.0.1", "--model", str(tiny_llama_dir), "--dtype", "float32",
                              "--device", "cpu", "--num-kv-blocks", "128", "--tensor-parallel-size", "2",
                              "--log-level", "warning"], stdout=subprocess.PIPE, text=True)
@@ -111,7 +112,7 @@ def test_up_runs_two_ranks_per_replica_and_ctrl_c_stops_them(tiny_llama_dir):
 
 def test_a_hung_rank_zero_is_left_by_its_rank_within_the_timeout(tiny_llama_dir):
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "--port", str(port), "--model",
+    engine = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "engine", "--port", str(port), "--model",
                                str(tiny_llama_dir), "--dtype", "float32", "--num-kv-blocks", "32",
                                "--tensor-parallel-size", "2", "--tp-timeout", "3", "--log-level", "warning"],
                               stderr=subprocess.PIPE, text=True)

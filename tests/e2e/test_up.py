@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.ports import free_port
+from services.commands.ports import free_port
 from tests.proc_children import cmdline, descendant_pids
 
 # These run the services as real processes: they need the whole engine stack.
@@ -40,7 +40,8 @@ def _interrupt_and_expect_no_orphans(proc: subprocess.Popen, children: set[int])
 
 def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "2", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "up", "--replicas", "2", "--port",
+                             str(port),
                              "--host", "127.0.0.1", "--model", str(tiny_llama_dir), "--dtype", "float32",
                              "--device", "cpu", "--num-kv-blocks", "128", "--log-level", "warning"],
                             stdout=subprocess.PIPE, text=True)
@@ -74,7 +75,8 @@ def test_up_serves_and_ctrl_c_stops_everything(tiny_llama_dir):
 
 def test_up_with_a_redis_cluster_serves_through_it(tiny_llama_dir):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "1", "--redis-cluster", "3",
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "up", "--replicas", "1",
+                             "--redis-cluster", "3",
                              "--port", str(port), "--host", "127.0.0.1", "--model", str(tiny_llama_dir),
                              "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
                              "--log-level", "warning"],
@@ -98,7 +100,7 @@ def test_up_serves_two_models_with_two_replicas_each_by_name(tiny_llama_dir):
     """Two models (the tiny weights under two names), two replicas each, one router that was given no
     model: requests route by `model`, each model's tokenizer having come from the registry."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", f"alpha={tiny_llama_dir}",
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "up", "--model", f"alpha={tiny_llama_dir}",
                              "--model", f"beta={tiny_llama_dir}", "--replicas", "2", "--port", str(port),
                              "--host", "127.0.0.1", "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
                              "--log-level", "warning"],
@@ -132,7 +134,8 @@ def test_up_serves_a_lora_adapter_on_every_replica_with_its_key_off_the_command_
 
     adapter = save_random_adapter(tiny_llama_dir, tmp_path / "sql", seed=1)
     port, key = free_port(), "admin-key-not-on-argv"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--replicas", "2", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "up", "--replicas", "2", "--port",
+                             str(port),
                              "--host", "127.0.0.1", "--model", str(tiny_llama_dir), "--dtype", "float32",
                              "--device", "cpu", "--num-kv-blocks", "64", "--max-loras", "1", "--lora-modules",
                              f"sql={adapter}", "--log-level", "warning"],

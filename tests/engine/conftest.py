@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.model_source import resolve_model
+from services.model_files.model_source import resolve_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 

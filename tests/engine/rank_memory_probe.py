@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.bench.step_driver import StepDriver
+from services.device_check.step_driver import StepDriver
 from services.engine.config import EngineConfig
 from services.engine.load_memory import peak_resident
 from services.engine.tp_launch import start_runner

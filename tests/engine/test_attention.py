@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services import LLM, SamplingParams
-from services.bench.step_driver import StepDriver
+from services.device_check.step_driver import StepDriver
 from services.engine.attention import resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner

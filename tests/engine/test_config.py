@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from services import LLM, SamplingParams
-from services.cli import build_parser
+from services.commands.cli import build_parser
 from services.commands.up import LocalCluster
 from services.engine.config import EngineConfig
 
@@ -110,7 +110,7 @@ def test_the_engine_command_refuses_a_split_the_model_cannot_take():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "engine", "--tensor-parallel-size", "2",
+    proc = subprocess.run([sys.executable, "-m", "services.commands.cli", "engine", "--tensor-parallel-size", "2",
                            "--dtype", "float32"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().endswith("pagedserve engine: tensor_parallel_size 2 does not divide the model's 9 "

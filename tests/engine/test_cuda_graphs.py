@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.bench.step_driver import StepDriver
+from services.device_check.step_driver import StepDriver
 from services.engine import cuda_graphs
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import FakeGraphCapture, capture_sizes
@@ -128,7 +128,7 @@ def test_cpu_backend_graph_path_matches_eager(tiny_model_dir):
 def test_adapter_decodes_replay_the_graphs_and_match_eager(tiny_model_dir, tmp_path):
     """With LoRA slots every graph holds the adapters' shrink and expand: a step of base and adapter decodes
     (two adapters, two slots) replays a graph, with the same tokens and KV cache as eager execution."""
-    from services.step_protocol import SchedulerOutput
+    from services.contracts.step_protocol import SchedulerOutput
     from tests.engine.lora_adapters import save_random_adapter
 
     paths = [save_random_adapter(tiny_model_dir, tmp_path / f"lora{i}", seed=i) for i in range(2)]

@@ -13,9 +13,9 @@ import torch
 
 from kernels.token_bitmask import unpack_bitmask_ref
 from services import LLM, SamplingParams
+from services.contracts.step_protocol import SamplingSpec
 from services.engine.sampler import Sampler, SampleRow
-from services.step_protocol import SamplingSpec
-from services.structured_output import StructuredOutputsParams
+from services.request.structured_outputs import StructuredOutputsParams
 
 
 def pack(allowed: list[int], vocab: int) -> bytes:

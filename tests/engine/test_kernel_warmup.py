@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 jit_module = pytest.importorskip("triton.runtime.jit")
 
 from kernels.triton_variants import engine_kernels  # noqa: E402
-from services.bench.step_driver import StepDriver  # noqa: E402
+from services.device_check.step_driver import StepDriver  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.kernel_warmup import warm_up  # noqa: E402
 from services.engine.model_runner import ModelRunner  # noqa: E402

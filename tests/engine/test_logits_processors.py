@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services import SamplingParams
+from services.contracts.step_protocol import PenaltySpec, SamplingSpec
 from services.engine.logits_processors import apply_min_p, apply_penalties
 from services.engine.sampler import Sampler, SampleRow
-from services.step_protocol import PenaltySpec, SamplingSpec
 
 VOCAB = 97
 

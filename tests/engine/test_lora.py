@@ -99,7 +99,7 @@ def test_unload_waits_for_requests_in_flight(tiny_model_dir, adapters):
 
 
 def test_bad_lora_fields_are_refused_naming_the_sequence(tiny_model_dir, adapters):
-    from services.step_protocol import InvalidStepError, SamplingSpec, ScheduledSequence, SchedulerOutput
+    from services.contracts.step_protocol import InvalidStepError, SamplingSpec, ScheduledSequence, SchedulerOutput
 
     llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, max_loras=1, max_lora_rank=8)
     digest = llm.load_lora("A", str(adapters["A"])).digest
@@ -120,7 +120,7 @@ def test_bad_lora_fields_are_refused_naming_the_sequence(tiny_model_dir, adapter
 def smollm2_adapters(tmp_path_factory):
     """Two rank-8 adapters on every projection of the bundled SmolLM2, and PEFT's greedy tokens for each
     (prompt, adapter), computed once for every tensor-parallel size."""
-    from services.model_source import resolve_model
+    from services.model_files.model_source import resolve_model
 
     model_dir = resolve_model(None)
     root = tmp_path_factory.mktemp("smollm2-adapters")

@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 from safetensors.torch import save as save_safetensors
 
 from services import LLM, InvalidRequestError
+from services.contracts.step_protocol import InvalidStepError, SamplingSpec, ScheduledSequence, SchedulerOutput
 from services.engine.lora.batch import LoraBatch
 from services.engine.lora.commands import LoraCommand, decode, encode
 from services.engine.lora.slots import LoraSlots
 from services.engine.lora.weights import load_weights, module_dims
 from services.engine.tp_shard import TensorParallelShard
-from services.lora_files import TARGET_MODULES, AdapterError, AdapterFiles, TensorInfo, tensor_key
-from services.step_protocol import InvalidStepError, SamplingSpec, ScheduledSequence, SchedulerOutput
+from services.model_files.lora_files import TARGET_MODULES, AdapterError, AdapterFiles, TensorInfo, tensor_key
 from tests.engine.conftest import make_tiny_model
 from tests.engine.lora_adapters import peft_greedy, peft_model, save_random_adapter
 from tests.engine.test_lora import GREEDY, _prompts

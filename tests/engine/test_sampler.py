@@ -38,8 +38,8 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
 
 
 def test_top_k_restricts_the_support():
+    from services.contracts.step_protocol import SamplingSpec
     from services.engine.sampler import Sampler, SampleRow
-    from services.step_protocol import SamplingSpec
 
     logits = torch.randn(1, 100)
     allowed = set(logits[0].topk(5).indices.tolist())
@@ -110,8 +110,8 @@ def test_bad_input_names_the_field_and_spares_in_flight_requests(llm):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_banned_tokens_are_never_sampled(temperature, dtype):
+    from services.contracts.step_protocol import SamplingSpec
     from services.engine.sampler import Sampler, SampleRow
-    from services.step_protocol import SamplingSpec
 
     torch.manual_seed(0)
     logits = torch.randn(4, 300).to(dtype)

@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from services.bench.step_driver import StepDriver, scheduled
+from services.contracts.step_protocol import SchedulerOutput
+from services.device_check.step_driver import StepDriver, scheduled
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import FakeGraphCapture
 from services.engine.model_runner import ModelRunner
@@ -22,7 +23,6 @@ from services.engine.step_broadcast import INLINE_BYTES, Op, StepReceiver, StepS
 from services.engine.step_inputs import StepInputBuilder
 from services.engine.step_validation import StepLimits
 from services.engine.tp_worker import serve_steps
-from services.step_protocol import SchedulerOutput
 
 CPU = torch.device("cpu")
 

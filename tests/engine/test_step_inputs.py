@@ -14,12 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.bench.step_driver import scheduled
+from services.contracts.step_protocol import InvalidStepError, PenaltySpec, SchedulerOutput, StepFault
+from services.device_check.step_driver import scheduled
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.step_inputs import StepInputBuilder
 from services.engine.step_validation import StepLimits, find_faults
-from services.step_protocol import InvalidStepError, PenaltySpec, SchedulerOutput, StepFault
 
 LIMITS = StepLimits(block_size=16, num_kv_blocks=64, max_model_len=512, vocab_size=1000)
 

@@ -163,8 +163,8 @@ def test_exact_argmax_breaks_half_precision_ties_in_float32(ext, gen, dtype):
 
 
 def test_sampler_greedy_is_exact_and_independent_of_the_batch(ext, gen):
+    from services.contracts.step_protocol import SamplingSpec
     from services.engine.sampler import Sampler, SampleRow
-    from services.step_protocol import SamplingSpec
 
     hidden = torch.randn(8, 96, generator=gen).bfloat16()
     weight = torch.randn(3000, 96, generator=gen).bfloat16()

@@ -99,7 +99,7 @@ def test_the_build_directory_is_keyed_by_what_changes_the_build(monkeypatch, tmp
 
 
 def test_kernel_builds_and_converted_models_share_one_cache_root(monkeypatch, tmp_path):
-    from services.model_source import cache_root
+    from services.model_files.model_source import cache_root
 
     for env in ({"PAGEDSERVE_CACHE_DIR": str(tmp_path / "a")}, {"XDG_CACHE_HOME": str(tmp_path / "b")}, {}):
         monkeypatch.delenv("PAGEDSERVE_CACHE_DIR", raising=False)

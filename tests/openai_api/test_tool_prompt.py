@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
+from services.model_files.tokenizer import ModelTokenizer
 from services.openai_api.errors import APIError
 from services.openai_api.protocol import ChatCompletionRequest
 from services.openai_api.tool_prompt import native, template_messages, tool_use
-from services.tokenizer import ModelTokenizer
 from tests.conftest import TOKENIZER_FILES
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -67,7 +67,7 @@ def test_tool_choice_none_renders_no_tools_but_keeps_the_history(smol_tokenizer)
 
 
 def test_a_template_with_a_tools_block_renders_them_itself(tmp_path, smol_tokenizer):
-    from services.model_source import resolve_model
+    from services.model_files.model_source import resolve_model
 
     src = resolve_model(None)
     for name in TOKENIZER_FILES:

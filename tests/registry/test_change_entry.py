@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.internal_auth import InternalToken
+from services.contracts.internal_auth import InternalToken
 from services.registry.change_entry import carries_load, entry_fields, entry_load, entry_replica
 from services.registry.model import ReplicaLoad
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.block_hash import hash_blocks, model_hash_seed
+from services.contracts.block_hash import hash_blocks, model_hash_seed
 from services.registry.index_grid import STRIDE, filed_positions
 from services.registry.memory_index import MemoryIndex
 from services.registry.model import ReplicaInfo, ReplicaLoad

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.chaos import ChaosConfig, run_scenarios
-from services.ports import free_port_run
+from services.bench.fleet.chaos import ChaosConfig, run_scenarios
+from services.commands.ports import free_port_run
 
 pytestmark = pytest.mark.reliability
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.ports import free_port
+from services.commands.ports import free_port
 from tests.openai_api.hostile_bodies import bodies, responses_bodies, serialise, tokenize_bodies
 
 pytestmark = pytest.mark.reliability
@@ -127,7 +127,8 @@ def _wait_ready(url: str, proc, timeout: float = 180) -> str:
 def test_hostile_bodies_never_get_a_5xx_a_hang_or_a_bystander(tiny_llama_dir, command):
     port = free_port()
     extra = ["--replicas", "1"] if command == "up" else []
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", command, "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", command, "--host", "127.0.0.1",
+                             "--port", str(port),
                              "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
                              "--num-kv-blocks", "512", "--max-num-seqs", "8", "--max-model-len", "256",
                              "--log-level", "error", *extra], stdout=subprocess.DEVNULL)

@@ -15,10 +15,10 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
+from services.model_files.tokenizer import ModelTokenizer
 from services.registry.memory_index import MemoryIndex
 from services.replica.service import ReplicaSettings, build_replica
 from services.scheduler.executor import InProcessExecutor
-from services.tokenizer import ModelTokenizer
 from tests.conftest import AppServer
 from tests.engine.conftest import make_tiny_model
 from tests.engine.lora_adapters import save_random_adapter

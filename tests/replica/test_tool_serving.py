@@ -15,7 +15,7 @@ import pytest
 from services.openai_api.tool_prompt import render_call
 from services.replica.app import create_replica_app
 from services.replica.metrics import SchedulerMetrics
-from services.replica.serving import OpenAIServing, ServingConfig
+from services.replica.openai_serving import OpenAIServing, ServingConfig
 from services.scheduler.request_output import CompletionOutput, RequestOutput
 from services.structured_output.compiler import GrammarCompiler
 from tests.conftest import AppServer

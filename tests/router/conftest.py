@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.model_source import resolve_model
-from services.tokenizer import ModelTokenizer
+from services.model_files.model_source import resolve_model
+from services.model_files.tokenizer import ModelTokenizer
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.block_hash import model_hash_seed
+from services.contracts.block_hash import model_hash_seed
 from services.registry.model import BlockDelta, ReplicaInfo, ReplicaLoad, ReplicaState
 from services.registry.redis_sink import RedisSink, connect
 from tests.conftest import AppServer

@@ -26,11 +26,11 @@ def test_keys_configured_but_empty_refuse_to_start(tmp_path):
 def test_the_router_refuses_to_start_with_an_empty_key_file(tmp_path):
     empty = tmp_path / "keys"
     empty.write_text("")
-    done = subprocess.run([sys.executable, "-m", "services.cli", "router", "--redis-url", "redis://127.0.0.1:1",
+    done = subprocess.run([sys.executable, "-m", "services.commands.cli", "router", "--redis-url", "redis://127.0.0.1:1",
                            "--api-keys-file", str(empty)], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "holds no key" in done.stderr
     env = {**os.environ, "PAGEDSERVE_API_KEYS": ""}  # a Secret mounted with an empty value
-    done = subprocess.run([sys.executable, "-m", "services.cli", "router", "--redis-url", "redis://127.0.0.1:1"],
+    done = subprocess.run([sys.executable, "-m", "services.commands.cli", "router", "--redis-url", "redis://127.0.0.1:1"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode != 0 and "holds no key" in done.stderr
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 
-from services.lora_files import DIGEST_HEADER, UNAVAILABLE_CODE
+from services.model_files.lora_files import DIGEST_HEADER, UNAVAILABLE_CODE
 from services.registry.model import ReplicaLoad
 from tests.router.fake_replicas import MODEL, FakeReplicas
 from tests.router.test_models import make_router

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from services.block_hash import adapter_seed, hash_blocks, model_hash_seed
+from services.contracts.block_hash import adapter_seed, hash_blocks, model_hash_seed
+from services.model_files.tokenizer import ModelTokenizer
 from services.registry import keys
 from services.registry.model import ReplicaLoad
 from services.registry.redis_sink import connect
@@ -21,7 +22,6 @@ from services.router.app import create_router_app
 from services.router.auth import ApiKeys
 from services.router.redis_index import RedisIndex
 from services.router.service import RouterConfig, RouterService
-from services.tokenizer import ModelTokenizer
 from tests.conftest import AppServer
 from tests.router.fake_replicas import BLOCK, MODEL, FakeReplicas
 
@@ -34,7 +34,7 @@ DIGEST_A2 = "ab" * 32
 @pytest.fixture(scope="module")
 def other_tokenizer(tmp_path_factory):
     """The bundled tokenizer with a chat template of its own: another model's, as far as the router knows."""
-    from services.model_source import resolve_model
+    from services.model_files.model_source import resolve_model
 
     src, out = resolve_model(None), tmp_path_factory.mktemp("other-tokenizer")
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -283,7 +283,7 @@ def test_a_load_in_the_change_stream_is_trusted_only_when_signed_for_that_replic
     """With the internal token, a load entry is applied only if its HMAC covers this replica, its current
     generation and this load; anything else (no signature, another token, another replica's or generation's
     signed load, a malformed load) makes the router read the signed record instead, whose load wins."""
-    from services.internal_auth import InternalToken
+    from services.contracts.internal_auth import InternalToken
     from services.registry.change_entry import load_payload
 
     token = InternalToken.generate()

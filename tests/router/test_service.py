@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from services.block_hash import hash_blocks
-from services.internal_auth import InternalToken
-from services.ports import free_port
+from services.commands.ports import free_port
+from services.contracts.block_hash import hash_blocks
+from services.contracts.internal_auth import InternalToken
 from services.registry.model import ReplicaLoad
 from services.registry.redis_sink import connect
 from services.router.app import create_router_app

@@ -7,7 +7,7 @@ that depends on the whole context: recomputation after preemption must reproduce
 
 from __future__ import annotations
 
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 EOS = 3
 

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.async_scheduler import AsyncScheduler
 from services.scheduler.core import SchedulerCore
 from tests.scheduler.conftest import shared_tokenizer

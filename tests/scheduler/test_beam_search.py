@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.beam_search_params import BeamSearchParams
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.contracts.step_protocol import TokenLogprobs
+from services.request.beam_search_params import BeamSearchParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.beam_search import BeamCandidates, BeamSearch
-from services.step_protocol import TokenLogprobs
 from tests.scheduler.shadow_executor import EOS
 from tests.scheduler.test_scheduler import greedy, make_core, run_all
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from services.sampling_params import SamplingParams
+from services.request.sampling_params import SamplingParams
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.core import SchedulerCore
 from tests.scheduler.shadow_executor import ShadowExecutor

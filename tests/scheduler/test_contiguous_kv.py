@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.contiguous_kv import ContiguousKVManager, Reservation, reservation_tokens
 from services.scheduler.sequence import Sequence

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.sampling_params import SamplingParams
+from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.detokenizer import IncrementalDetokenizer
-from services.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from tests.scheduler.conftest import shared_tokenizer
 
 EOS = 2

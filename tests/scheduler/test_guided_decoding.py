@@ -15,8 +15,9 @@ import re
 import jsonschema
 import pytest
 
-from services.sampling_params import InvalidRequestError, SamplingParams
-from services.structured_output import StructuredOutputsParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
+from services.request.structured_outputs import StructuredOutputsParams
 from tests.scheduler.test_scheduler import make_core, run_all
 
 SCHEMA = {

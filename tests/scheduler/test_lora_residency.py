@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 
-from services.sampling_params import SamplingParams
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from tests.scheduler.shadow_executor import ShadowExecutor
 

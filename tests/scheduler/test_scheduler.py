@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from services.sampling_params import InvalidRequestError, SamplingParams
+from services.request.errors import InvalidRequestError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from tests.scheduler.shadow_executor import EOS, ShadowExecutor
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.sampling_params import SamplingParams
+from services.contracts.step_protocol import EngineUnavailableError, InvalidStepError
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
-from services.step_protocol import EngineUnavailableError, InvalidStepError
 from tests.scheduler.conftest import shared_tokenizer
 from tests.scheduler.shadow_executor import ShadowExecutor
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.sampling_params import InvalidRequestError
-from services.structured_output import StructuredOutputsParams
+from services.request.errors import InvalidRequestError
+from services.request.structured_outputs import StructuredOutputsParams
 from services.structured_output.compiler import (
     CompiledGrammar,
     GrammarCompiler,

@@ -11,16 +11,16 @@ import time
 
 import pytest
 
-from services.ports import free_port
-from services.sampling_params import SamplingParams
+from services.commands.ports import free_port
+from services.model_files.tokenizer import ModelTokenizer
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
-from services.tokenizer import ModelTokenizer
 from services.transport import EngineUnavailableError, RemoteExecutor
 
 
 def start_engine(model_dir, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "--host", "127.0.0.1", "--port",
+    return subprocess.Popen([sys.executable, "-m", "services.commands.cli", "engine", "--host", "127.0.0.1", "--port",
                              str(port), "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
                              "--num-kv-blocks", "64", "--log-level", "warning"])
 

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from services.lora_files import AdapterError
-from services.ports import free_port
-from services.sampling_params import SamplingParams
+from services.commands.ports import free_port
+from services.model_files.lora_files import AdapterError
+from services.model_files.tokenizer import ModelTokenizer
+from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.executor import InProcessExecutor
-from services.tokenizer import ModelTokenizer
 from services.transport import RemoteExecutor
 from tests.engine.lora_adapters import save_random_adapter
 from tests.transport.test_engine_server import run_to_end
@@ -30,7 +30,7 @@ def test_remote_engine_loads_and_serves_adapters(tiny_llama_dir, tmp_path):
     adapter = save_random_adapter(tiny_llama_dir, tmp_path / "A", seed=5)
     big = save_random_adapter(tiny_llama_dir, tmp_path / "big", seed=6, rank=16)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "engine", "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "services.commands.cli", "engine", "--host", "127.0.0.1", "--port",
                              str(port), "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
                              "--num-kv-blocks", "64", "--max-loras", "1", "--max-lora-rank", "8",
                              "--log-level", "warning"])

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from services.ports import free_port
-from services.step_protocol import (
+from services.commands.ports import free_port
+from services.contracts.step_protocol import (
     EngineInfo,
     ModelRunnerOutput,
     SamplingSpec,
@@ -105,7 +105,7 @@ def test_only_the_scheduler_that_handshook_may_step_or_reset(served):
 
 
 def test_an_engine_with_a_token_serves_only_callers_that_present_it():
-    from services.internal_auth import InternalToken
+    from services.contracts.internal_auth import InternalToken
 
     token = InternalToken.generate()
     server = EngineServer(FakeRunner(), "tcp://127.0.0.1:*", token)
@@ -129,7 +129,7 @@ def test_the_engine_refuses_to_listen_beyond_loopback_without_a_token():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "services.cli", "engine", "--host", "0.0.0.0", "--port",
+    done = subprocess.run([sys.executable, "-m", "services.commands.cli", "engine", "--host", "0.0.0.0", "--port",
                            str(free_port())], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--internal-token-file" in done.stderr
 

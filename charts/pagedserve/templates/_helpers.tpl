@@ -308,7 +308,7 @@ Call with (dict "ctx" $ "container" "engine").
   subPath: {{ .container }}
 {{- end }}
 
-{{/* Env every pagedserve container gets: where its cache is (read by services.model_source). */}}
+{{/* Env every pagedserve container gets: where its cache is (read by services.model_files.model_source). */}}
 {{- define "pagedserve.cacheEnv" -}}
 - name: PAGEDSERVE_CACHE_DIR
   value: /cache

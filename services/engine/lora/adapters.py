@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.contracts.step_protocol import InvalidStepError, SchedulerOutput, StepFault
 from services.engine.lora.commands import LoraCommand, decode, encode
 from services.engine.lora.slots import LoraSlots
 from services.engine.lora.weights import LoraWeights, load_weights
-from services.lora_files import AdapterError, AdapterFiles, read_adapter
-from services.step_protocol import InvalidStepError, SchedulerOutput, StepFault
+from services.model_files.lora_files import AdapterError, AdapterFiles, read_adapter
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig

@@ -12,7 +12,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from services.lora_files import AdapterFiles, TensorInfo
+from services.model_files.lora_files import AdapterFiles, TensorInfo
 
 _LEN = struct.Struct("<Q")
 

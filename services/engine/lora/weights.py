@@ -9,7 +9,7 @@ them, gate and up by its MLP rows); a row-parallel one (o, down) keeps the colum
 columns and its whole B. A rank's partial delta is then summed by the all-reduce the base output already
 takes (services/engine/lora/batch.py says why that is exact).
 
-The files were checked by services/lora_files.py (names, ranks, dtypes, no pickle); here the shapes are
+The files were checked by services/model_files/lora_files.py (names, ranks, dtypes, no pickle); here the shapes are
 checked against the whole model, whose dimensions only the engine knows. A shape that does not fit is an
 AdapterError naming the tensor, before anything reaches a slot."""
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load as load_safetensors
 
-from services.lora_files import AdapterError, AdapterFiles, tensor_key
+from services.model_files.lora_files import AdapterError, AdapterFiles, tensor_key
 
 if TYPE_CHECKING:
     from services.engine.tp_shard import TensorParallelShard

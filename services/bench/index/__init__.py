@@ -1,0 +1,1 @@
+"""`bench index`: the prefix index at fleet scale, with simulated replicas writing to real Redis."""

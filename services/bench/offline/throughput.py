@@ -1,0 +1,153 @@
+"""`pagedserve bench throughput`: our engine and each baseline on one seeded workload, in one run.
+
+Prints a table (output tokens/s, our ratio to each baseline, peak KV efficiency, scheduler CPU time per
+step) and optionally writes it as JSON. Timings on a shared machine are noisy: compare the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.bench.offline.kv_efficiency import StepObserver
+from services.bench.offline.workloads import offline_workload
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def run_ours(llm, requests) -> dict:
+    from services import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    # Warm-up outside the clock: first calls pick and build the CPU matmul kernels.
+    # A prompt unrelated to the workload, so the warm-up leaves nothing in the prefix cache to reuse.
+    warm = [(7919 * i) % 40000 + 100 for i in range(64)]
+    llm.generate([warm], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    observer = StepObserver()
+    observer.wrap_executor(llm.core.executor)
+    core = llm.core
+    last = [time.perf_counter()]
+
+    def hook(c):
+        now = time.perf_counter()
+        observer.observe(c, now - last[0])
+        last[0] = time.perf_counter()
+
+    llm.step_hook = hook
+    start = time.perf_counter()
+    last[0] = start
+    outs = llm.generate([r.prompt_token_ids for r in requests], params)
+    elapsed = time.perf_counter() - start
+    llm.step_hook = None
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"system": "pagedserve", "output_tokens": n, "seconds": elapsed, "tokens_per_s": n / elapsed,
+            "kv_efficiency_at_peak": observer.efficiency_at_peak, "peak_kv_blocks": observer.peak_blocks,
+            "scheduler_ms_per_step": observer.sched_ms_per_step, "steps": observer.steps,
+            "max_running": observer.max_running, "preemptions": core.scheduler.num_preemptions,
+            "prefix_hit_tokens": core.kv.prefix_hits}
+
+
+def run_vllm(model_dir, requests, args) -> dict:
+    if not VLLM_PYTHON.exists():
+        return {"system": "vllm", "error": "vLLM virtualenv missing: run `make vllm-env` first"}
+    spec = {"model": str(model_dir), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": 2048,
+            "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]}
+    cores = os.cpu_count() or 1
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_KVCACHE_SPACE="4",
+               VLLM_TARGET_DEVICE="cpu")
+    for name in ("OMP_PROC_BIND", "OMP_PLACES"):  # vLLM binds its own threads; leave it its defaults
+        env.pop(name, None)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_baseline.py")), f.name],
+                              env=env, stdout=subprocess.PIPE, stderr=None, text=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith("PAGEDSERVE_RESULT "):
+            return {"system": "vllm (CPU build, all cores bound, prefix caching)", **json.loads(line.split(" ", 1)[1])}
+    return {"system": "vllm", "error": f"vLLM exited {proc.returncode} without a result"}
+
+
+def run(args) -> int:
+    from services import LLM
+    from services.bench.offline.null_executor import scheduler_ms_per_step
+
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if getattr(args, "lora_adapters", None):
+        from services.bench.offline import lora_mix
+
+        try:
+            counts = sorted({int(c) for c in args.lora_adapters.split(",")})
+        except ValueError:
+            print(f"--lora-adapters: expected counts like 0,1,4, got {args.lora_adapters!r}", file=sys.stderr)
+            return 2
+        if counts[0] < 0:
+            print("--lora-adapters: counts must be >= 0", file=sys.stderr)
+            return 2
+        if args.lora_passes < 1:
+            print("--lora-passes: at least 1", file=sys.stderr)
+            return 2
+        report = lora_mix.run(args, counts)
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2))
+        return 0
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
+    requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
+    print(f"workload {args.workload}: {len(requests)} requests, "
+          f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens", flush=True)
+    results = [run_ours(llm, requests)]
+    sched_256 = scheduler_ms_per_step(llm.tokenizer, num_running=256)
+    model_dir = llm.runner.model_dir
+    llm.close()
+    del llm
+    for name in [a.strip() for a in args.against.split(",") if a.strip() and a.strip() != "none"]:
+        if name == "transformers":
+            from services.bench.offline.hf_baseline import run_transformers
+
+            results.append(run_transformers(model_dir, requests, args.dtype))
+        elif name == "vllm":
+            results.append(run_vllm(model_dir, requests, args))
+        else:
+            print(f"unknown baseline {name!r}", file=sys.stderr)
+            return 2
+    ours = results[0]
+    for r in results[1:]:
+        if "tokens_per_s" in r:
+            r["pagedserve_ratio"] = ours["tokens_per_s"] / r["tokens_per_s"]
+    report = {"workload": args.workload, "dtype": args.dtype, "tensor_parallel_size": tp, "requests": len(requests),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results,
+              "scheduler_ms_per_step_at_256_running": sched_256}
+    _print_table(report)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    print()
+    print(f"{'system':<52} {'tok/s':>8} {'pagedserve x':>13}")
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['system']:<52} {'-':>8} {'-':>13}  ({r['error']})")
+            continue
+        ratio = r.get("pagedserve_ratio")
+        print(f"{r['system']:<52} {r['tokens_per_s']:>8.1f} {(f'{ratio:.2f}x' if ratio else ''):>13}")
+    ours = report["results"][0]
+    print(f"\npeak KV efficiency (live token slots / allocated slots): {100 * ours['kv_efficiency_at_peak']:.1f}%")
+    print(f"scheduler CPU per step: {ours['scheduler_ms_per_step']:.3f} ms in this run "
+          f"(max {ours['max_running']} running); {report['scheduler_ms_per_step_at_256_running']:.3f} ms "
+          f"at 256 running (null engine)")
+    print(f"preemptions: {ours['preemptions']}, prefix-cache hit tokens: {ours['prefix_hit_tokens']}")

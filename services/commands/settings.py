@@ -1,0 +1,188 @@
+"""Command-line flags and environment variables of every pagedserve service, in one place.
+
+This table is the single source of truth: the CLI builds its argument parsers from it, the local
+cluster command (`pagedserve up`) passes flags from it, and the Helm chart's tests check that every
+flag and env var the chart sets appears here. Each option may be given as a flag or through its env
+var (flag wins); env vars are how Kubernetes Secrets reach a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str  # e.g. "--redis-url"
+    help: str
+    type: Any = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    is_switch: bool = False  # boolean flag with a --no-... twin
+    nargs: str | None = None  # "+": several values (the env var holds them separated by spaces)
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "PAGEDSERVE_" + self.dest.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+HOST = Option("--host", "address to listen on", default="0.0.0.0")
+# The engine takes steps from its own scheduler only: loopback unless told otherwise (and then a token).
+ENGINE_HOST = Option("--host", "address to listen on (beyond loopback only with an internal token)",
+                     default="127.0.0.1")
+MODEL = Option("--model", "Hugging Face directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+SERVED_MODEL_NAME = Option("--served-model-name", "model id reported by /v1/models and accepted in requests")
+DTYPE = Option("--dtype", "weight and KV dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+DEVICE = Option("--device", "device the engine runs on", default="auto", choices=("auto", "cpu", "cuda"))
+BLOCK_SIZE = Option("--block-size", "tokens per KV block", type=int, default=16)
+NUM_KV_BLOCKS = Option("--num-kv-blocks", "KV blocks to allocate (overrides --kv-cache-memory)", type=int)
+KV_CACHE_MEMORY = Option("--kv-cache-memory", "bytes of memory for the KV cache (suffixes K, M, G allowed)",
+                         default="4G")
+ATTENTION_BACKEND = Option("--attention-backend", "paged-attention kernels: triton (CUDA), cpu (C++ kernels) or "
+                           "reference (PyTorch); auto: triton on CUDA, cpu on the CPU", default="auto",
+                           choices=("auto", "triton", "cpu", "reference"))
+ENFORCE_EAGER = Option("--enforce-eager", "run decode steps eagerly instead of replaying CUDA graphs",
+                       type=_parse_bool, default=False, is_switch=True)
+LOAD_FORMAT = Option("--load-format", "safetensors: the model's weights; random: random weights in the shapes "
+                     "of the model directory's config.json (benchmarks without a download)", default="safetensors",
+                     choices=("safetensors", "random"))
+TENSOR_PARALLEL_SIZE = Option("--tensor-parallel-size", "ranks (GPUs) one model replica is split across; rank 0 "
+                              "serves the step protocol and starts the others on this machine", type=int, default=1)
+TP_LOCAL_RANKS = Option("--tp-local-ranks", "ranks of the group on each machine (default: all of them on this "
+                        "one; GPUs per node when the group spans machines)", type=int)
+TP_RENDEZVOUS = Option("--tp-rendezvous", "where a group spanning machines meets: tcp://<rank 0's host>:<port> "
+                       "(rank 0 listens on the port); default: a private file on this machine")
+TP_TIMEOUT = Option("--tp-timeout", "seconds a rank waits in a collective, or for rank 0's next message, "
+                    "before the group counts as broken and goes down", type=float, default=60.0)
+TP_NODE_RANK = Option("--tp-node-rank", "which machine of the group this is: its ranks are node_rank * "
+                      "tp_local_ranks onwards (0 is rank 0's machine)", type=int, default=0)
+TP_LOCAL_RANK = Option("--tp-local-rank", "this process's index on its machine (0 starts the machine's other "
+                       "ranks; set by that process for them)", type=int, default=0)
+MAX_MODEL_LEN = Option("--max-model-len", "longest prompt + output in tokens (default: model's limit)", type=int)
+MAX_NUM_SEQS = Option("--max-num-seqs", "cap on requests running in one step", type=int, default=256)
+MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "token budget of one step", type=int, default=2048)
+ENABLE_PREFIX_CACHING = Option("--enable-prefix-caching", "reuse KV blocks of shared prefixes", type=_parse_bool,
+                               default=True, is_switch=True)
+REDIS_URL = Option("--redis-url", "Redis URL for the replica registry and prefix index (redis://[:pw@]host:port/db)")
+REPLICA_ID = Option("--replica-id", "stable name of this replica in the registry (default: hostname:port)")
+ADVERTISE_URL = Option("--advertise-url", "URL routers use to reach this scheduler (default: http://<host>:<port>)")
+HEARTBEAT_INTERVAL = Option("--heartbeat-interval", "seconds between registry heartbeats", type=float, default=1.0)
+ENGINE_URL = Option("--engine", "engine step endpoint, e.g. tcp://127.0.0.1:7000", default="tcp://127.0.0.1:7000")
+POLICY = Option("--policy", "routing policy", default="prefix",
+                choices=("prefix", "least-loaded", "round-robin", "session"))
+API_KEYS_FILE = Option("--api-keys-file", "file with one accepted API key per line")
+API_KEYS = Option("--api-keys", "comma-separated accepted API keys (prefer the env var or a file)")
+DISCOVERY = Option("--discovery", "how routers find replicas", default="redis", choices=("redis", "kubernetes"))
+K8S_SERVICE = Option("--k8s-service", "headless Service of the schedulers (for --discovery kubernetes)")
+K8S_NAMESPACE = Option("--k8s-namespace", "namespace of that Service (default: the pod's own)")
+MAX_QUEUE = Option("--max-queue", "requests that may wait for a free replica before 429", type=int, default=256)
+MAX_BODY_BYTES = Option("--max-body-bytes", "largest accepted request body", type=int, default=4 * 1024 * 1024)
+REQUEST_TIMEOUT = Option("--request-timeout", "seconds before an upstream request is abandoned", type=float,
+                         default=600.0)
+DRAIN_TIMEOUT = Option("--drain-timeout", "seconds to finish in-flight requests after SIGTERM before exiting",
+                       type=float, default=30.0)
+COLD_START_TIMEOUT = Option("--cold-start-timeout",
+                            "seconds a request is held while no replica is ready (scale from zero) before a 503; "
+                            "0: answer 503 at once", type=float, default=0.0)
+ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take before the engine counts as hung",
+                        type=float, default=120.0)
+INTERNAL_TOKEN_FILE = Option("--internal-token-file", "file holding the token routers and schedulers share: "
+                             "routers present it, schedulers require it, registry records are signed with it")
+INTERNAL_TOKEN = Option("--internal-token", "the internal token itself (prefer the file or the env var)")
+CACHE_ISOLATION = Option("--cache-isolation", "prefix-cache sharing between API keys: shared (one tenant) or "
+                         "per-key (a key never hits, or can time, another key's cached blocks)", default="shared",
+                         choices=("shared", "per-key"))
+IN_PROCESS_ENGINE = Option("--in-process-engine", "serve: run the engine in this process instead of a child "
+                           "process of its own (slower: forward passes then share the GIL with HTTP)",
+                           type=_parse_bool, default=False, is_switch=True)
+MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its running batch before it answers "
+                     "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=int)
+MAX_LORAS = Option("--max-loras", "LoRA adapters resident at once (slots; 0: no adapters)", type=int, default=0)
+MAX_LORA_RANK = Option("--max-lora-rank", "highest LoRA rank served (every slot is padded to it)", type=int,
+                       default=16)
+MAX_CPU_LORAS = Option("--max-cpu-loras", "loaded LoRA adapters kept in host memory (LRU; default: "
+                       "max(--max-loras, 8))", type=int)
+LORA_MODULES = Option("--lora-modules", "LoRA adapters to load at start, NAME=PATH each (vLLM's spelling)",
+                      nargs="+")
+LORA_DIR = Option("--lora-dir", "the directory run-time loads (/v1/load_lora_adapter) may read adapters from")
+LORA_ADMIN_KEY = Option("--lora-admin-key", "the key of /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(distinct from API keys; prefer the env var); unset: run-time loading is off")
+LOG_LEVEL = Option("--log-level", "logging level", default="info",
+                   choices=("debug", "info", "warning", "error"))
+
+# The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
+_ENGINE_CORE = (MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, ATTENTION_BACKEND,
+                ENFORCE_EAGER, MAX_NUM_SEQS, LOAD_FORMAT, TENSOR_PARALLEL_SIZE, TP_LOCAL_RANKS, TP_RENDEZVOUS,
+                TP_TIMEOUT, MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS)
+_LORA_SERVING = (LORA_MODULES, LORA_DIR, LORA_ADMIN_KEY)
+ENGINE_OPTIONS = (ENGINE_HOST, *_ENGINE_CORE, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
+# A tensor-parallel rank other than 0: no port, no token (it talks only to its group).
+ENGINE_WORKER_OPTIONS = (*_ENGINE_CORE, TP_NODE_RANK, TP_LOCAL_RANK, LOG_LEVEL)
+_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
+SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
+                     ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
+                     INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, *_LORA_SERVING, LOG_LEVEL)
+ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE_ISOLATION, INTERNAL_TOKEN_FILE,
+                  INTERNAL_TOKEN, DISCOVERY, K8S_SERVICE, K8S_NAMESPACE, MAX_QUEUE, COLD_START_TIMEOUT,
+                  MAX_BODY_BYTES, REQUEST_TIMEOUT, DRAIN_TIMEOUT, LOG_LEVEL)
+SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
+                 ATTENTION_BACKEND, ENFORCE_EAGER, TENSOR_PARALLEL_SIZE, TP_TIMEOUT, *_SCHEDULING, API_KEYS_FILE,
+                 API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE, MAX_LORAS, MAX_LORA_RANK,
+                 MAX_CPU_LORAS, *_LORA_SERVING, LOG_LEVEL)
+
+# Default ports, shared by the CLI, `pagedserve up` and the chart.
+DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}
+
+
+def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...], port: int | None) -> None:
+    """Add `options` (and --port, unless None) to `parser`; each default comes from its env var when set."""
+    seen: set[str] = set()
+    if port is not None:
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_PORT", port)),
+                            help="port to listen on (env PAGEDSERVE_PORT)")
+    for opt in options:
+        if opt.dest in seen:
+            continue
+        seen.add(opt.dest)
+        default = opt.default
+        if opt.env in os.environ and opt.nargs:
+            default = [opt.type(v) for v in os.environ[opt.env].split()]
+        elif opt.env in os.environ:
+            default = opt.type(os.environ[opt.env]) if opt.type is not str else os.environ[opt.env]
+        help_text = f"{opt.help} (env {opt.env})"
+        if opt.is_switch:
+            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(opt.flag, dest=opt.dest, type=opt.type, default=default, choices=opt.choices,
+                                nargs=opt.nargs, help=help_text)
+
+
+# Env vars read outside this table: the cache root (services.model_files.model_source, kernels.cpu.build) and the
+# CPU kernels' switches and build wait (kernels.cpu).
+OTHER_ENV_VARS = frozenset({"PAGEDSERVE_PORT", "PAGEDSERVE_CACHE_DIR", "PAGEDSERVE_CPU_KERNELS", "PAGEDSERVE_CPU_AMX",
+                            "PAGEDSERVE_KERNEL_BUILD_TIMEOUT"})
+
+
+def all_env_vars() -> set[str]:
+    """Every env var any service reads (the chart's tests check against this)."""
+    names = set(OTHER_ENV_VARS)
+    for group in (ENGINE_OPTIONS, ENGINE_WORKER_OPTIONS, SCHEDULER_OPTIONS, ROUTER_OPTIONS, SERVE_OPTIONS):
+        names.update(opt.env for opt in group)
+    return names
