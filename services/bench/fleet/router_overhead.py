@@ -42,6 +42,12 @@ def _serve_stub(port: int) -> None:
 def _median_latency(url: str, body: dict, n: int) -> list[float]:
     out = []
     with httpx.Client(timeout=10) as client:
+        deadline = time.monotonic() + 60
+        # A router learns replicas from its background refresh of the registry: wait for the first answer.
+        while (first := client.post(url, json=body)).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if first.status_code != 200:
+            raise RuntimeError(f"{url} answered {first.status_code}: {first.text[:300]}")
         for _ in range(max(20, n // 10)):  # warm-up: connections, caches, JIT-free but lazy imports
             client.post(url, json=body).raise_for_status()
         for _ in range(n):
@@ -57,7 +63,8 @@ def run_overhead(args) -> int:
     from services.commands.ports import free_port
     from services.commands.up import Child
     from services.contracts.block_hash import model_hash_seed
-    from services.model_files.model_source import DEFAULT_MODEL_NAME
+    from services.model_files.model_source import DEFAULT_MODEL_NAME, resolve_model
+    from services.model_files.tokenizer import ModelTokenizer
     from services.registry.model import ReplicaInfo, ReplicaLoad, ReplicaState
     from services.registry.redis_sink import RedisSink, connect
 
@@ -73,11 +80,14 @@ def run_overhead(args) -> int:
         redis.start()
         stub.start()
         time.sleep(0.5)
+        # The stub publishes the bundled model's tokenizer, as a scheduler does: the router routes with it.
+        tokenizer = ModelTokenizer(resolve_model(None))
         info = ReplicaInfo("stub", stub_url, DEFAULT_MODEL_NAME, 16, 8192, 256,
-                           model_hash_seed(DEFAULT_MODEL_NAME, 16))
+                           model_hash_seed(DEFAULT_MODEL_NAME, 16), tokenizer_digest=tokenizer.digest)
 
         async def register():
             client = connect(redis_url)
+            await RedisSink(client).write_tokenizer(tokenizer.digest, tokenizer.bundle)
             await RedisSink(client).write_state(ReplicaState(info, ReplicaLoad()), ttl=3600)
             await client.aclose()
 
