@@ -204,8 +204,12 @@ def cpu_per_request(requests: int, model: str | None = None) -> dict[str, dict[s
         url = f"http://127.0.0.1:{port}"
         _wait_http(url + "/v1/models", timeout=1800)
         with httpx.Client(timeout=120) as client:
-            served = client.get(url + "/v1/models").json()["data"][0]["id"]
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + 600
+            while not (models := client.get(url + "/v1/models").json()["data"]):  # until a replica registers
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no replica registered with the router of `pagedserve up`")
+                time.sleep(0.5)
+            served = models[0]["id"]
             while True:  # /v1/models answers before the replica has registered: wait for a served request
                 r = client.post(url + "/v1/chat/completions", json=request_kinds(served)["chat"])
                 if r.status_code == 200 or time.monotonic() > deadline:
