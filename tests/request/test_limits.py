@@ -183,7 +183,9 @@ def _at_fault(fields: dict) -> set[str]:
 
 
 # The engine sees a field only as the scheduler puts it on the wire: these request fields reach it.
-_WIRE = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "logprobs": "logprobs",
+# (`logprobs` is not among them: the wire carries up to 2W for a beam search of width W, a wider bound that
+# the engine checks, services.request.limits.WIRE_LOGPROBS.)
+_WIRE = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
          "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
          "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
 
