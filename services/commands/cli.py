@@ -2,16 +2,49 @@
 
 Parsers are built from `services.commands.settings` (the one source of truth for flags and env vars); each
 subcommand's implementation is imported only when it runs, so `pagedserve router` never loads torch.
+A command line that cannot work is refused while it is parsed (values by their types in
+`services.commands.flag_values`, combinations and implied flags by `services.commands.flag_rules`): one line
+naming the flag, exit code 2, before any model loads or process starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
 
+from services.commands import flag_values as V
 from services.commands import settings as S
+from services.commands.flag_rules import FlagError, check
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, with each subcommand's rules (services.commands.flag_rules, by its name: "serve", "probe
+    engine") run on what it parsed, and every refusal one line: `pagedserve serve: error: <what is wrong>`."""
+
+    def __init__(self, *args, check_files: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.check_files = check_files
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", functools.partial(CommandParser, check_files=self.check_files))
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        command = self.prog.partition(" ")[2]
+        if command and self._subparsers is None and not extras:  # a subcommand itself, all of it understood
+            try:
+                check(command, ns, self.check_files)
+            except FlagError as exc:
+                self.error(str(exc))
+        return ns, extras
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
 
 # subcommand -> (handler "module:function", options, default port or None, help)
 _SERVICES = {
@@ -38,11 +71,11 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched together)")
     p.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=V.integer(1), default=64)
+    p.add_argument("--temperature", type=V.number(0), default=0.0)
+    p.add_argument("--top-p", type=V.number(0, above=True, high=1), default=1.0)
+    p.add_argument("--top-k", type=V.integer(-1), default=-1)
+    p.add_argument("--seed", type=V.integer(), default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.set_defaults(handler="services.commands.generate:run")
 
@@ -56,9 +89,10 @@ def _add_up(sub) -> None:
                    help="a model to serve: PATH (Hugging Face directory or .gguf; default: the bundled SmolLM2), "
                    "or, repeated, NAME=PATH or NAME=PATH:REPLICAS for several models behind the routers "
                    f"(env {S.MODEL.env}: one PATH, which the replicas read themselves)")
-    p.add_argument("--replicas", type=int, default=2, help="scheduler+engine replicas to start (per model)")
-    p.add_argument("--routers", type=int, default=1, help="router processes to start (ports port, port+1, ...)")
-    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+    p.add_argument("--replicas", type=V.integer(1), default=2, help="scheduler+engine replicas to start (per model)")
+    p.add_argument("--routers", type=V.integer(1), default=1,
+                   help="router processes to start (ports port, port+1, ...)")
+    p.add_argument("--redis-cluster", type=V.integer(0), default=0, metavar="N",
                    help="start a local Redis Cluster of N shards (+1 replica each) instead of one redis-server")
     p.set_defaults(handler="services.commands.up:run")
 
@@ -75,15 +109,16 @@ def _add_pod_tools(sub) -> None:
     p = sub.add_parser("probe", help="health probes for Kubernetes exec probes (exit 0: healthy)")
     psub = p.add_subparsers(dest="probe_target", required=True)
     e = psub.add_parser("engine", help="a `health` round trip on the engine's step protocol")
-    e.add_argument("--engine", default=S.ENGINE_URL.default, help="engine step endpoint")
-    e.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    e.add_argument("--engine", type=V.ENGINE_ADDRESS, default=S.ENGINE_URL.default, help="engine step endpoint")
+    e.add_argument("--timeout", type=V.number(0, above=True), default=3.0, help="seconds to wait for the answer")
     e.add_argument("--internal-token-file", default=None,
                    help="the engine's internal token (only an engine bound beyond loopback requires one)")
     e.set_defaults(handler="services.commands.probe:run")
     w = sub.add_parser("wait-for-disconnect", help="preStop hook: wait until no client is connected to the engine")
-    w.add_argument("--engine", default=S.ENGINE_URL.default, help="the engine's listening address")
-    w.add_argument("--timeout", type=float, required=True, help="seconds to wait at most")
-    w.add_argument("--interval", type=float, default=1.0, help="seconds between checks")
+    w.add_argument("--engine", type=V.ENGINE_ADDRESS, default=S.ENGINE_URL.default,
+                   help="the engine's listening address")
+    w.add_argument("--timeout", type=V.number(0), required=True, help="seconds to wait at most")
+    w.add_argument("--interval", type=V.number(0, above=True), default=1.0, help="seconds between checks")
     w.set_defaults(handler="services.commands.prestop:run")
 
 
@@ -253,8 +288,10 @@ def _add_bench_paper(bsub) -> None:
     q.set_defaults(handler="services.bench.paper.run:run")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
+def build_parser(check_files: bool = False) -> CommandParser:
+    """The `pagedserve` parser. `check_files`: also check the files the flags name (the model, adapters,
+    keys, token) and fill in what they imply; the launcher does, a test of rendered pod arguments may not."""
+    parser = CommandParser(prog="pagedserve", description=__doc__.splitlines()[0], check_files=check_files)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (handler, options, port, help_text) in _SERVICES.items():
         p = sub.add_parser(name, help=help_text)
@@ -280,9 +317,11 @@ def _pin_threads() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _pin_threads()
-    args = build_parser().parse_args(argv)
+    args = build_parser(check_files=True).parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for implied in getattr(args, "implied", []):
+        logging.getLogger("pagedserve").info("%s", implied)
     # httpx logs every request at INFO: per-request noise (and cost) on the router's hot path.
     for noisy in ("httpx", "httpx2"):  # openai's client logs through "httpx2"
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -7,7 +7,6 @@ With --tensor-parallel-size N it is rank 0 of a group of N ranks (services/engin
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import signal
 
@@ -18,20 +17,9 @@ from services.transport.engine_server import EngineServer
 log = logging.getLogger(__name__)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def run(args) -> int:
+    # Beyond loopback a token is required: refused at parse time without one (flag_rules.engine_listener).
     token = InternalToken.from_sources(args.internal_token_file, args.internal_token)
-    if token is None and not is_loopback(args.host):
-        raise SystemExit(f"pagedserve engine: --host {args.host} would let anyone who reaches the port run steps "
-                         "and reset the KV cache; give it --internal-token-file (or listen on 127.0.0.1)")
     from services.engine.tp_launch import start_runner
     from services.engine.tp_shard import TensorParallelConfigError
 

@@ -21,7 +21,6 @@ from services.commands.processes import ENGINE_FLAGS, Child, flags
 from services.commands.scheduler import replica_settings
 from services.contracts.internal_auth import InternalToken
 from services.model_files.tokenizer import ModelTokenizer
-from services.openai_api.errors import APIError
 from services.openai_api.server import make_server, run_servers
 from services.registry.memory_index import MemoryIndex
 from services.replica.service import build_replica
@@ -79,18 +78,9 @@ async def _restart_dead(child: Child) -> None:
             child.start()
 
 
-def _is_api_key(keys: ApiKeys, candidate: str) -> bool:
-    try:
-        return keys.check(f"Bearer {candidate}") is not None
-    except APIError:
-        return False
-
-
 def run(args) -> int:
-    try:
-        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)  # before minutes of model loading
-        if args.lora_admin_key and _is_api_key(keys, args.lora_admin_key):
-            raise ValueError("--lora-admin-key must differ from every API key (a client key must not load adapters)")
+    try:  # checked at parse time too (flag_rules.secrets, with the admin key), before minutes of model loading
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pagedserve serve: {exc}") from None
     # The replica's port is on loopback, but any local process could reach it there: only our router may.

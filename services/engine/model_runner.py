@@ -96,8 +96,6 @@ class ModelRunner:
         dtype, block_size = config.dtype, config.block_size
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.config = config
         self.group = group
         self.device = group.device if group is not None else pick_device(config.device)

@@ -1,0 +1,287 @@
+"""What a subcommand's flags imply, and which combinations cannot work: checked while the command line is
+parsed, before any model loads or process starts.
+
+Each value is checked alone by its type (services.commands.flag_values); the rules here see the whole
+command line. A flag that implies another is filled in as vLLM and SGLang do (adapters given: LoRA on,
+with a slot for each adapter up to `INFERRED_MAX_LORAS`, padded to the highest adapter rank); a
+combination that cannot work raises `FlagError`, which the parser prints as one line naming the flags,
+with exit code 2. Rules come in two kinds: `RULES` read only the command line (the Helm chart's tests
+parse rendered pods' arguments with them), `FILE_RULES` also read the files the flags name (model,
+adapters, keys, token), and run when the launcher starts a command for real (`build_parser(check_files=True)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+from services.commands.settings import BadEnvValue
+
+# Slots `--lora-modules` alone turns on: one per adapter up to this (SGLang's default of adapters per batch);
+# beyond it adapters take turns in the slots, as they do whenever there are more adapters than slots.
+INFERRED_MAX_LORAS = 8
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's default too
+
+
+class FlagError(ValueError):
+    """A command line that cannot work; the message names the flags and says what to change."""
+
+
+Rule = Callable[[argparse.Namespace], None]
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _named(ns: argparse.Namespace, dest: str, message: str) -> str:
+    """`--flag VALUE: message` for a setting refused by the part that owns it (its field is the flag's dest)."""
+    value = getattr(ns, dest, None)
+    return f"{flag(dest)}{'' if value is None else f' {value}'}: {message}"
+
+
+def note(ns: argparse.Namespace, text: str) -> None:
+    """An implied value, logged once logging is set up (services.commands.cli.main)."""
+    ns.implied = [*getattr(ns, "implied", []), text]
+
+
+# -- rules on the command line alone --------------------------------------------------------------------
+
+def env_values(ns: argparse.Namespace) -> None:
+    """An env var its flag refuses, and no flag given instead of it (a flag wins over its env var)."""
+    for value in vars(ns).values():
+        if isinstance(value, BadEnvValue):
+            raise FlagError(str(value))
+
+
+def engine_config(ns: argparse.Namespace) -> None:
+    """What EngineConfig refuses (block size, tensor-parallel split), named by its flag."""
+    from services.engine.config import EngineConfig, EngineConfigError
+
+    fields = {**vars(ns), "model": None} if isinstance(ns.model, list) else vars(ns)  # `up`: several models
+    try:
+        config = EngineConfig.from_args(argparse.Namespace(**fields))
+        if ns.command == "engine-worker":
+            config.worker_rank(ns.tp_node_rank, ns.tp_local_rank)
+    except EngineConfigError as exc:
+        raise FlagError(_named(ns, exc.field, exc.message)) from None
+    if ns.command == "engine" and config.ranks_per_machine < config.tensor_parallel_size and not config.tp_rendezvous:
+        raise FlagError(f"--tp-local-ranks {ns.tp_local_ranks} < --tensor-parallel-size {ns.tensor_parallel_size} "
+                        "spans machines: give --tp-rendezvous tcp://<this machine's address>:<port>")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def engine_listener(ns: argparse.Namespace) -> None:
+    if not is_loopback(ns.host) and not (ns.internal_token_file or ns.internal_token):
+        raise FlagError(f"--host {ns.host} would let anyone who reaches the port run steps and reset the KV cache: "
+                        "give --internal-token-file (or listen on 127.0.0.1)")
+
+
+def lora_modules(ns: argparse.Namespace) -> None:
+    """Adapter names: unique, none the base model's; the admin key only with somewhere to load from."""
+    names = [m.partition("=")[0] for m in ns.lora_modules or []]
+    for name in names:
+        if names.count(name) > 1:
+            raise FlagError(f"--lora-modules: the adapter name {name!r} is given twice")
+        if name == getattr(ns, "served_model_name", None):
+            raise FlagError(f"--lora-modules: {name!r} is the base model's --served-model-name")
+    if ns.lora_admin_key and not ns.lora_dir and not names:
+        raise FlagError("--lora-admin-key loads adapters at run time from --lora-dir only: give --lora-dir too")
+
+
+def lora_slots(ns: argparse.Namespace) -> None:
+    """Adapters given turn LoRA on with enough slots; --max-loras 0 beside them cannot work."""
+    adapters = len(ns.lora_modules or [])
+    asks = "--lora-modules" if adapters else "--lora-dir" if ns.lora_dir else None
+    if ns.max_loras is None:
+        ns.max_loras = min(adapters, INFERRED_MAX_LORAS) if adapters else 1 if ns.lora_dir else 0
+        if asks:
+            note(ns, f"{asks} turns LoRA on: --max-loras {ns.max_loras}")
+    elif ns.max_loras == 0 and asks:
+        raise FlagError(f"--max-loras 0 serves no adapters, but {asks} gives some: leave --max-loras out (one slot "
+                        "per adapter) or give it 1 or more")
+
+
+def several_models(ns: argparse.Namespace) -> None:
+    from services.commands.model_specs import parse_model_specs
+
+    try:
+        specs = parse_model_specs(ns.model, ns.replicas, ns.served_model_name)
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
+    if len(specs) > 1 and ns.lora_modules:
+        raise FlagError("--lora-modules serves adapters of one model; with several --model, load adapters per "
+                        "replica (its admin endpoint) or let replicas load them from --lora-dir")
+
+
+def up_cluster(ns: argparse.Namespace) -> None:
+    if ns.redis_url and ns.redis_cluster:
+        raise FlagError("--redis-url uses an existing Redis, --redis-cluster starts one: give one of them")
+    if ns.port + ns.routers - 1 > 65535:
+        raise FlagError(f"--routers {ns.routers} from --port {ns.port} runs past port 65535")
+
+
+def router_registry(ns: argparse.Namespace) -> None:
+    if not ns.redis_url:
+        raise FlagError("--redis-url (or PAGEDSERVE_REDIS_URL) is required: the registry of replicas lives there")
+    if ns.discovery == "kubernetes" and not ns.k8s_service:
+        raise FlagError("--discovery kubernetes needs --k8s-service (the schedulers' headless Service)")
+
+
+def api_keys(ns: argparse.Namespace) -> None:
+    if ns.api_keys is not None and not [k for k in ns.api_keys.split(",") if k.strip()]:
+        raise FlagError("--api-keys (PAGEDSERVE_API_KEYS) is set but holds no key: unset it to serve without keys")
+
+
+def sampling(ns: argparse.Namespace) -> None:
+    from services.request.errors import InvalidRequestError
+    from services.request.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                       seed=ns.seed)
+    except InvalidRequestError as exc:
+        raise FlagError(_named(ns, exc.field, exc.message)) from None
+
+
+def listening_address(ns: argparse.Namespace) -> None:
+    """wait-for-disconnect matches the engine's local address in /proc/net/tcp: an IP address."""
+    host = urlparse(ns.engine).hostname
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise FlagError(f"--engine {ns.engine}: give the engine's listening IP address (tcp://IP:PORT), "
+                        f"not the name {host!r}") from None
+
+
+# -- rules that read the files the flags name ---------------------------------------------------------
+
+def model_files(ns: argparse.Namespace) -> None:
+    """The model exists: a Hugging Face directory or a .gguf file (or the bundled model, installed)."""
+    from services.model_files.model_source import gguf_of
+
+    if ns.command == "router" and ns.model is None:
+        return  # the router reads each model's tokenizer from the registry
+    models = [ns.model]
+    if isinstance(ns.model, list):  # `up`: PATH, NAME=PATH or NAME=PATH:REPLICAS
+        from services.commands.model_specs import parse_model_specs
+
+        models = [s.path for s in parse_model_specs(ns.model, ns.replicas, ns.served_model_name)]
+    for model in models:
+        try:
+            gguf = gguf_of(model)
+        except OSError as exc:
+            raise FlagError(f"--model {model or '(default)'}: {exc}") from None
+        if ns.command == "convert" and gguf is None:
+            raise FlagError(f"--model {model}: already a Hugging Face directory (config.json): serve it as it is, "
+                            "there is nothing to convert")
+
+
+def lora_files(ns: argparse.Namespace) -> None:
+    """Every adapter readable; --max-lora-rank at least their highest rank (filled in when not given)."""
+    from services.engine.config import MAX_LORA_RANK
+    from services.model_files.lora_files import adapter_rank
+
+    ranks = {}
+    for module in ns.lora_modules or []:
+        try:
+            ranks[module] = adapter_rank(module.partition("=")[2])
+        except (ValueError, OSError) as exc:
+            raise FlagError(f"--lora-modules {module}: {exc}") from None
+    if ns.lora_dir is not None:
+        from pathlib import Path
+
+        if not Path(ns.lora_dir).is_dir():
+            raise FlagError(f"--lora-dir {ns.lora_dir}: not a directory")
+    if not ranks or not hasattr(ns, "max_lora_rank"):
+        return  # the scheduler: its engine's --max-lora-rank refuses a higher rank when it loads the adapter
+    module, highest = max(ranks.items(), key=lambda kv: kv[1])
+    if highest > MAX_LORA_RANK:
+        raise FlagError(f"--lora-modules {module}: rank {highest} is over the highest rank served, {MAX_LORA_RANK}")
+    if ns.max_lora_rank is None:
+        ns.max_lora_rank = max(DEFAULT_MAX_LORA_RANK, highest)
+        if highest > DEFAULT_MAX_LORA_RANK:
+            note(ns, f"--lora-modules {module} has rank {highest}: --max-lora-rank {highest}")
+    elif highest > ns.max_lora_rank:
+        raise FlagError(f"--lora-modules {module} has rank {highest}, over --max-lora-rank {ns.max_lora_rank}: raise "
+                        f"it to {highest} or leave it out")
+
+
+def secrets(ns: argparse.Namespace) -> None:
+    """The internal token and the API keys configured are readable and hold something."""
+    from services.contracts.internal_auth import InternalToken
+
+    try:
+        InternalToken.from_sources(getattr(ns, "internal_token_file", None), None)
+    except (ValueError, OSError) as exc:
+        raise FlagError(f"--internal-token-file {ns.internal_token_file}: {exc}") from None
+    if not hasattr(ns, "api_keys_file"):
+        return
+    from services.router.auth import ApiKeys
+
+    try:
+        keys = ApiKeys.from_sources(ns.api_keys_file, ns.api_keys)
+    except (ValueError, OSError) as exc:
+        raise FlagError(f"--api-keys-file {ns.api_keys_file}: {exc}" if ns.api_keys_file else str(exc)) from None
+    admin = getattr(ns, "lora_admin_key", None)
+    if admin and keys.enabled:
+        from services.openai_api.errors import APIError
+
+        try:
+            keys.check(f"Bearer {admin}")
+        except APIError:
+            return  # not an API key: as it must be
+        raise FlagError("--lora-admin-key must differ from every API key (a client key must not load adapters)")
+
+
+def output_dir(ns: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    if Path(ns.output).exists() and not Path(ns.output).is_dir():
+        raise FlagError(f"--output {ns.output}: a file is there, not a directory")
+
+
+# -- which rules each subcommand runs --------------------------------------------------------------------
+
+RULES: dict[str, tuple[Rule, ...]] = {
+    "serve": (lora_modules, lora_slots, engine_config, api_keys),
+    "up": (several_models, lora_modules, lora_slots, engine_config, up_cluster, api_keys),
+    "engine": (engine_config, engine_listener),
+    "engine-worker": (engine_config,),
+    "scheduler": (lora_modules,),
+    "router": (router_registry, api_keys),
+    "generate": (sampling,),
+    "wait-for-disconnect": (listening_address,),
+}
+FILE_RULES: dict[str, tuple[Rule, ...]] = {
+    "serve": (model_files, lora_files, secrets),
+    "up": (model_files, lora_files, secrets),
+    "engine": (model_files, secrets),
+    "engine-worker": (model_files,),
+    "scheduler": (model_files, lora_files, secrets),
+    "router": (model_files, secrets),
+    "generate": (model_files,),
+    "convert": (model_files, output_dir),
+    "probe engine": (secrets,),
+}
+
+
+def check(command: str, ns: argparse.Namespace, check_files: bool) -> None:
+    """Run `command`'s rules on its parsed flags, filling in implied values; raises FlagError."""
+    env_values(ns)
+    ns.command = command.split()[0]
+    for rule in RULES.get(command, ()):
+        rule(ns)
+    if check_files:
+        for rule in FILE_RULES.get(command, ()):
+            rule(ns)
