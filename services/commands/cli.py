@@ -24,12 +24,12 @@ class CommandParser(argparse.ArgumentParser):
     """argparse, with each subcommand's rules (services.commands.flag_rules, by its name: "serve", "probe
     engine") run on what it parsed, and every refusal one line: `pagedserve serve: error: <what is wrong>`."""
 
-    def __init__(self, *args, check_files: bool = False, **kwargs):
+    def __init__(self, *args, starting: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.check_files = check_files
+        self.starting = starting
 
     def add_subparsers(self, **kwargs):
-        kwargs.setdefault("parser_class", functools.partial(CommandParser, check_files=self.check_files))
+        kwargs.setdefault("parser_class", functools.partial(CommandParser, starting=self.starting))
         return super().add_subparsers(**kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -37,7 +37,7 @@ class CommandParser(argparse.ArgumentParser):
         command = self.prog.partition(" ")[2]
         if command and self._subparsers is None and not extras:  # a subcommand itself, all of it understood
             try:
-                check(command, ns, self.check_files)
+                check(command, ns, self.starting)
             except FlagError as exc:
                 self.error(str(exc))
         return ns, extras
@@ -288,10 +288,11 @@ def _add_bench_paper(bsub) -> None:
     q.set_defaults(handler="services.bench.paper.run:run")
 
 
-def build_parser(check_files: bool = False) -> CommandParser:
-    """The `pagedserve` parser. `check_files`: also check the files the flags name (the model, adapters,
-    keys, token) and fill in what they imply; the launcher does, a test of rendered pod arguments may not."""
-    parser = CommandParser(prog="pagedserve", description=__doc__.splitlines()[0], check_files=check_files)
+def build_parser(starting: bool = False) -> CommandParser:
+    """The `pagedserve` parser. `starting`: the command is about to run here, so also check what it starts
+    with beyond its command line (the files its flags name, secrets in its env vars) and fill in what they
+    imply; the launcher does, a test of a rendered pod's arguments does not."""
+    parser = CommandParser(prog="pagedserve", description=__doc__.splitlines()[0], starting=starting)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (handler, options, port, help_text) in _SERVICES.items():
         p = sub.add_parser(name, help=help_text)
@@ -317,7 +318,7 @@ def _pin_threads() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _pin_threads()
-    args = build_parser(check_files=True).parse_args(argv)
+    args = build_parser(starting=True).parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for implied in getattr(args, "implied", []):

@@ -6,8 +6,9 @@ command line. A flag that implies another is filled in as vLLM and SGLang do (ad
 with a slot for each adapter up to `INFERRED_MAX_LORAS`, padded to the highest adapter rank); a
 combination that cannot work raises `FlagError`, which the parser prints as one line naming the flags,
 with exit code 2. Rules come in two kinds: `RULES` read only the command line (the Helm chart's tests
-parse rendered pods' arguments with them), `FILE_RULES` also read the files the flags name (model,
-adapters, keys, token), and run when the launcher starts a command for real (`build_parser(check_files=True)`).
+parse rendered pods' arguments with them), `START_RULES` also what the command starts with beyond it (the
+files the flags name: model, adapters, keys, token; secrets its env vars carry), and run when the launcher
+starts a command for real (`build_parser(starting=True)`).
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def engine_config(ns: argparse.Namespace) -> None:
     fields = {**vars(ns), "model": None} if isinstance(ns.model, list) else vars(ns)  # `up`: several models
     try:
         config = EngineConfig.from_args(argparse.Namespace(**fields))
-        if ns.command == "engine-worker":
-            config.worker_rank(ns.tp_node_rank, ns.tp_local_rank)
     except EngineConfigError as exc:
         raise FlagError(_named(ns, exc.field, exc.message)) from None
+    if not hasattr(ns, "lora_modules"):  # an engine alone: its LoRA slots are what its flags say, or none
+        ns.max_loras, ns.max_lora_rank = config.max_loras, config.max_lora_rank
     if ns.command == "engine" and config.ranks_per_machine < config.tensor_parallel_size and not config.tp_rendezvous:
         raise FlagError(f"--tp-local-ranks {ns.tp_local_ranks} < --tensor-parallel-size {ns.tensor_parallel_size} "
                         "spans machines: give --tp-rendezvous tcp://<this machine's address>:<port>")
@@ -131,9 +132,7 @@ def up_cluster(ns: argparse.Namespace) -> None:
         raise FlagError(f"--routers {ns.routers} from --port {ns.port} runs past port 65535")
 
 
-def router_registry(ns: argparse.Namespace) -> None:
-    if not ns.redis_url:
-        raise FlagError("--redis-url (or PAGEDSERVE_REDIS_URL) is required: the registry of replicas lives there")
+def router_discovery(ns: argparse.Namespace) -> None:
     if ns.discovery == "kubernetes" and not ns.k8s_service:
         raise FlagError("--discovery kubernetes needs --k8s-service (the schedulers' headless Service)")
 
@@ -164,7 +163,22 @@ def listening_address(ns: argparse.Namespace) -> None:
                         f"not the name {host!r}") from None
 
 
-# -- rules that read the files the flags name ---------------------------------------------------------
+# -- rules on what a command starts with beyond its command line: files, secrets in its environment -----
+
+def worker_rank(ns: argparse.Namespace) -> None:
+    """engine-worker is a rank other than 0 (in a pod its node rank is an env var from the LeaderWorkerSet)."""
+    from services.engine.config import EngineConfig, EngineConfigError
+
+    try:
+        EngineConfig.from_args(ns).worker_rank(ns.tp_node_rank, ns.tp_local_rank)
+    except EngineConfigError as exc:
+        raise FlagError(_named(ns, exc.field, exc.message)) from None
+
+
+def router_registry(ns: argparse.Namespace) -> None:
+    if not ns.redis_url:  # in a pod, a Secret's env var
+        raise FlagError("--redis-url (or PAGEDSERVE_REDIS_URL) is required: the registry of replicas lives there")
+
 
 def model_files(ns: argparse.Namespace) -> None:
     """The model exists: a Hugging Face directory or a .gguf file (or the bundled model, installed)."""
@@ -256,32 +270,30 @@ def output_dir(ns: argparse.Namespace) -> None:
 RULES: dict[str, tuple[Rule, ...]] = {
     "serve": (lora_modules, lora_slots, engine_config, api_keys),
     "up": (several_models, lora_modules, lora_slots, engine_config, up_cluster, api_keys),
-    "engine": (engine_config, engine_listener),
+    "engine": (engine_config,),
     "engine-worker": (engine_config,),
     "scheduler": (lora_modules,),
-    "router": (router_registry, api_keys),
+    "router": (router_discovery, api_keys),
     "generate": (sampling,),
     "wait-for-disconnect": (listening_address,),
 }
-FILE_RULES: dict[str, tuple[Rule, ...]] = {
+START_RULES: dict[str, tuple[Rule, ...]] = {
     "serve": (model_files, lora_files, secrets),
     "up": (model_files, lora_files, secrets),
-    "engine": (model_files, secrets),
-    "engine-worker": (model_files,),
+    "engine": (engine_listener, model_files, secrets),
+    "engine-worker": (worker_rank, model_files),
     "scheduler": (model_files, lora_files, secrets),
-    "router": (model_files, secrets),
+    "router": (router_registry, model_files, secrets),
     "generate": (model_files,),
     "convert": (model_files, output_dir),
     "probe engine": (secrets,),
 }
 
 
-def check(command: str, ns: argparse.Namespace, check_files: bool) -> None:
-    """Run `command`'s rules on its parsed flags, filling in implied values; raises FlagError."""
+def check(command: str, ns: argparse.Namespace, starting: bool) -> None:
+    """Run `command`'s rules on its parsed flags (and, `starting`, on what it starts with), filling in
+    implied values; raises FlagError."""
     env_values(ns)
     ns.command = command.split()[0]
-    for rule in RULES.get(command, ()):
+    for rule in (*RULES.get(command, ()), *(START_RULES.get(command, ()) if starting else ())):
         rule(ns)
-    if check_files:
-        for rule in FILE_RULES.get(command, ()):
-            rule(ns)
