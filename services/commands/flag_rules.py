@@ -14,10 +14,12 @@ starts a command for real (`build_parser(starting=True)`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import ipaddress
 from collections.abc import Callable
 from urllib.parse import urlparse
 
+from services.commands.flag_values import FlagError, flag
 from services.commands.settings import BadEnvValue
 
 # Slots `--lora-modules` alone turns on: one per adapter up to this (SGLang's default of adapters per batch);
@@ -26,15 +28,7 @@ INFERRED_MAX_LORAS = 8
 DEFAULT_MAX_LORA_RANK = 16  # vLLM's default too
 
 
-class FlagError(ValueError):
-    """A command line that cannot work; the message names the flags and says what to change."""
-
-
 Rule = Callable[[argparse.Namespace], None]
-
-
-def flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _named(ns: argparse.Namespace, dest: str, message: str) -> str:
@@ -297,3 +291,6 @@ def check(command: str, ns: argparse.Namespace, starting: bool) -> None:
     ns.command = command.split()[0]
     for rule in (*RULES.get(command, ()), *(START_RULES.get(command, ()) if starting else ())):
         rule(ns)
+    if getattr(ns, "flag_check", None):  # a bench's own check, named as its handler is
+        module, _, function = ns.flag_check.partition(":")
+        getattr(importlib.import_module(module), function)(ns)

@@ -16,6 +16,15 @@ from urllib.parse import urlparse
 from services.contracts.byte_size import parse_bytes
 
 
+class FlagError(ValueError):
+    """A command line that cannot work, found by a rule that sees several flags (services.commands.flag_rules,
+    services.commands.bench_flags); the message names the flags and says what to change."""
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _named(parse: Callable, name: str) -> Callable:
     parse.__name__ = name  # argparse names the type in its own messages ("invalid <name> value")
     return parse
