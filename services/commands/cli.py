@@ -44,6 +44,8 @@ class CommandParser(argparse.ArgumentParser):
         return ns, extras
 
     def error(self, message: str):
+        # A value's line breaks and control characters, escaped: the error stays one printable line.
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
@@ -153,7 +155,10 @@ def _pin_threads() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _pin_threads()
-    args = build_parser(starting=True).parse_args(argv)
+    try:
+        args = build_parser(starting=True).parse_args(argv)
+    except SystemExit as exc:  # -h (0), or a refused command line (2), already printed
+        return 0 if exc.code is None else int(exc.code)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for implied in getattr(args, "implied", []):

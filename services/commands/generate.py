@@ -7,14 +7,15 @@ import sys
 
 def run(args) -> int:
     from services import LLM, InvalidRequestError, SamplingParams
+    from services.commands.engine import MODEL_LOAD_ERRORS
 
+    # Checked at parse time (flag_rules.sampling): a bad value never waits for the model to load.
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
-    except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    llm = LLM(model=args.model, dtype=args.dtype)
+        llm = LLM(model=args.model, dtype=args.dtype)
+    except MODEL_LOAD_ERRORS as exc:
+        raise SystemExit(f"pagedserve generate: {exc}") from None
     try:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
