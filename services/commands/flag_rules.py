@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
+import socket
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -169,6 +170,24 @@ def worker_rank(ns: argparse.Namespace) -> None:
         raise FlagError(_named(ns, exc.field, exc.message)) from None
 
 
+def listen_address(ns: argparse.Namespace) -> None:
+    """The address a server will listen on can be bound now: a port taken, or a host this machine does not
+    have, is found before minutes of model loading rather than after."""
+    ports = range(ns.port, ns.port + ns.routers) if ns.command == "up" else [ns.port]
+    for port in ports:
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(ns.host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+        except (socket.gaierror, UnicodeError) as exc:
+            raise FlagError(f"--host {ns.host}: not an address of this machine ({exc})") from None
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+            try:
+                s.bind(address)
+            except OSError as exc:
+                raise FlagError(f"--port {port}: cannot listen on {ns.host}:{port}: {exc.strerror}") from None
+
+
 def router_registry(ns: argparse.Namespace) -> None:
     if not ns.redis_url:  # in a pod, a Secret's env var
         raise FlagError("--redis-url (or PAGEDSERVE_REDIS_URL) is required: the registry of replicas lives there")
@@ -272,12 +291,12 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "wait-for-disconnect": (listening_address,),
 }
 START_RULES: dict[str, tuple[Rule, ...]] = {
-    "serve": (model_files, lora_files, secrets),
-    "up": (model_files, lora_files, secrets),
-    "engine": (engine_listener, model_files, secrets),
+    "serve": (model_files, lora_files, secrets, listen_address),
+    "up": (model_files, lora_files, secrets, listen_address),
+    "engine": (engine_listener, model_files, secrets, listen_address),
     "engine-worker": (worker_rank, model_files),
-    "scheduler": (model_files, lora_files, secrets),
-    "router": (router_registry, model_files, secrets),
+    "scheduler": (model_files, lora_files, secrets, listen_address),
+    "router": (router_registry, model_files, secrets, listen_address),
     "generate": (model_files,),
     "convert": (model_files, output_dir),
     "probe engine": (secrets,),
