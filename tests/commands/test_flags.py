@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from services.commands import settings as S
 from services.commands.cli import build_parser
 from services.commands.flag_rules import DEFAULT_MAX_LORA_RANK, INFERRED_MAX_LORAS
+from services.commands.ports import free_port
 from services.engine.config import EngineConfig
 
 ENGINE_COMMANDS = {"serve", "up", "engine", "engine-worker"}
@@ -231,19 +232,24 @@ def test_env_vars_are_checked_as_their_flags_are(command, files):
 
 def test_adapters_alone_turn_lora_on_with_their_slots_and_rank(files):
     """The issue's new user: `serve --lora-modules a=DIR` and nothing else."""
-    code, stderr, ns = launch(["serve", "--model", str(files["model"]), "--lora-modules", f"a={files['r32']}"])
-    assert code == 0, stderr
+    def serve(*argv):
+        code, stderr, ns = launch(["serve", "--port", str(free_port()), *argv])
+        assert code == 0, stderr
+        return ns
+
+    ns = serve("--model", str(files["model"]), "--lora-modules", f"a={files['r32']}")
     assert (ns.max_loras, ns.max_lora_rank) == (1, 32)
-    assert any("--max-loras 1" in line for line in ns.implied)
-    code, _, ns = launch(["serve", "--lora-modules", f"a={files['r8']}", f"b={files['r8']}"])
+    assert ns.implied == ["--lora-modules turns LoRA on: --max-loras 1",
+                          f"--lora-modules a={files['r32']} has rank 32: --max-lora-rank 32"]
+    ns = serve("--lora-modules", f"a={files['r8']}", f"b={files['r8']}")
     assert (ns.max_loras, ns.max_lora_rank) == (2, DEFAULT_MAX_LORA_RANK)
-    code, _, ns = launch(["serve", "--lora-dir", str(files["adapters"])])
+    ns = serve("--lora-dir", str(files["adapters"]))
     assert (ns.max_loras, ns.max_lora_rank) == (1, None)  # None: the engine's default, 16
-    code, _, ns = launch(["serve", "--lora-modules", *(f"a{i}={files['r8']}" for i in range(12))])
+    ns = serve("--lora-modules", *(f"a{i}={files['r8']}" for i in range(12)))
     assert ns.max_loras == INFERRED_MAX_LORAS
-    code, _, ns = launch(["serve", "--max-loras", "3", "--max-lora-rank", "64", "--lora-modules", f"a={files['r32']}"])
+    ns = serve("--max-loras", "3", "--max-lora-rank", "64", "--lora-modules", f"a={files['r32']}")
     assert (ns.max_loras, ns.max_lora_rank) == (3, 64)  # given: kept
-    code, _, ns = launch(["serve"])
+    ns = serve()
     assert (ns.max_loras, ns.max_lora_rank) == (0, None)  # no adapters: no LoRA
 
 
