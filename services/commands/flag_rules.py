@@ -272,10 +272,16 @@ def secrets(ns: argparse.Namespace) -> None:
 
 
 def output_dir(ns: argparse.Namespace) -> None:
+    """convert writes a sibling of --output and renames it: the directory above must be writable."""
+    import os
     from pathlib import Path
 
-    if Path(ns.output).exists() and not Path(ns.output).is_dir():
+    out = Path(ns.output).expanduser().absolute()
+    if out.exists() and not out.is_dir():
         raise FlagError(f"--output {ns.output}: a file is there, not a directory")
+    above = next(p for p in out.parents if p.exists())
+    if not above.is_dir() or not os.access(above, os.W_OK | os.X_OK):
+        raise FlagError(f"--output {ns.output}: {above} cannot be written here")
 
 
 # -- which rules each subcommand runs --------------------------------------------------------------------
