@@ -21,8 +21,8 @@ def run(args) -> int:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
         else:
             outs = llm.generate(list(args.prompt), params, use_tqdm=False)
-    except InvalidRequestError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except InvalidRequestError as e:  # a prompt the model cannot take (empty, longer than its context)
+        print(f"pagedserve generate: error: {e}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompt, outs, strict=True):
         if len(args.prompt) > 1:

@@ -219,6 +219,14 @@ def test_every_flag_of_every_subcommand_parses_or_is_one_error_line(command, fil
     walk()
 
 
+@pytest.mark.parametrize("command", sorted(LEAVES))
+def test_every_subcommand_has_help(command):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([*command.split(), "-h"])
+    assert exit_.value.code == 0 and out.getvalue().startswith(f"usage: pagedserve {command}")
+
+
 @pytest.mark.parametrize("command", ["serve", "up", "engine", "engine-worker", "scheduler", "router"])
 def test_env_vars_are_checked_as_their_flags_are(command, files):
     @settings(max_examples=15, deadline=None, database=None, suppress_health_check=list(HealthCheck))
