@@ -2,8 +2,9 @@
 parsed, before any model loads or process starts.
 
 Each value is checked alone by its type (services.commands.flag_values); the rules here see the whole
-command line. A flag that implies another is filled in as vLLM and SGLang do (adapters given: LoRA on,
-with a slot for each adapter up to `INFERRED_MAX_LORAS`, padded to the highest adapter rank); a
+command line. A flag that implies another is filled in, as SGLang does for its `--lora-paths` (adapters
+given: LoRA on, a slot for each adapter up to `INFERRED_MAX_LORAS`, padded to the highest adapter rank;
+vLLM instead stops at start without `--enable-lora`, or with an adapter over `--max-lora-rank`); a
 combination that cannot work raises `FlagError`, which the parser prints as one line naming the flags,
 with exit code 2. Rules come in two kinds: `RULES` read only the command line (the Helm chart's tests
 parse rendered pods' arguments with them), `START_RULES` also what the command starts with beyond it (the
