@@ -101,7 +101,7 @@ def url(*schemes: str, port: bool = True, host: bool = True) -> Callable[[str], 
         shown = ", ".join(f"{s}://" for s in schemes)
         try:
             parts = urlparse(text)
-            given_port = parts.port  # raises ValueError when out of range or not a number
+            given_port = parts.port if port else None  # raises ValueError when out of range or not a number
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid URL ({exc})") from None
         if parts.scheme not in schemes:
@@ -118,8 +118,30 @@ def url(*schemes: str, port: bool = True, host: bool = True) -> Callable[[str], 
 
 
 ENGINE_ADDRESS = url("tcp")
-REDIS_URL = url("redis", "rediss", "unix", port=False, host=False)
 HTTP_URL = url("http", "https", port=False)
+
+
+def redis_url(text: str) -> str:
+    """redis://[:PASSWORD@]HOST[:PORT][,HOST:PORT...][/DB][?cluster=true], rediss://, unix://; its password
+    never appears in a message (it comes from a Kubernetes Secret)."""
+    from services.registry.redis_connect import redacted, startup_nodes
+
+    text = str(text).strip()
+    shown = redacted(text)
+    scheme = urlparse(text).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise argparse.ArgumentTypeError(f"{shown!r} must start with redis://, rediss:// or unix://")
+    if scheme != "unix":
+        try:
+            nodes = startup_nodes(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown!r}: every port must be a number") from None
+        if any(not host or not 1 <= p <= 65535 for host, p in nodes):
+            raise argparse.ArgumentTypeError(f"{shown!r}: every node is HOST:PORT with a port in [1, 65535]")
+    return text
+
+
+_named(redis_url, "Redis URL")
 RENDEZVOUS = url("tcp", "file", port=False, host=False)
 
 

@@ -25,6 +25,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     is_switch: bool = False  # boolean flag with a --no-... twin
     nargs: str | None = None  # "+": several values (the env var holds them separated by spaces)
+    secret: bool = False  # never echoed in an error (a password, a key, a token)
 
     @property
     def dest(self) -> str:
@@ -76,7 +77,7 @@ MAX_NUM_BATCHED_TOKENS = Option("--max-num-batched-tokens", "token budget of one
 ENABLE_PREFIX_CACHING = Option("--enable-prefix-caching", "reuse KV blocks of shared prefixes", type=V.boolean,
                                default=True, is_switch=True)
 REDIS_URL = Option("--redis-url", "Redis URL for the replica registry and prefix index (redis://[:pw@]host:port/db)",
-                   type=V.REDIS_URL)
+                   type=V.redis_url, secret=True)
 REPLICA_ID = Option("--replica-id", "stable name of this replica in the registry (default: hostname:port)")
 ADVERTISE_URL = Option("--advertise-url", "URL routers use to reach this scheduler (default: http://<host>:<port>)",
                        type=V.HTTP_URL)
@@ -87,7 +88,7 @@ ENGINE_URL = Option("--engine", "engine step endpoint, e.g. tcp://127.0.0.1:7000
 POLICY = Option("--policy", "routing policy", default="prefix",
                 choices=("prefix", "least-loaded", "round-robin", "session"))
 API_KEYS_FILE = Option("--api-keys-file", "file with one accepted API key per line")
-API_KEYS = Option("--api-keys", "comma-separated accepted API keys (prefer the env var or a file)")
+API_KEYS = Option("--api-keys", "comma-separated accepted API keys (prefer the env var or a file)", secret=True)
 DISCOVERY = Option("--discovery", "how routers find replicas", default="redis", choices=("redis", "kubernetes"))
 K8S_SERVICE = Option("--k8s-service", "headless Service of the schedulers (for --discovery kubernetes)")
 K8S_NAMESPACE = Option("--k8s-namespace", "namespace of that Service (default: the pod's own)")
@@ -105,7 +106,8 @@ ENGINE_TIMEOUT = Option("--engine-timeout", "seconds one engine step may take be
                         type=V.number(0, above=True), default=120.0)
 INTERNAL_TOKEN_FILE = Option("--internal-token-file", "file holding the token routers and schedulers share: "
                              "routers present it, schedulers require it, registry records are signed with it")
-INTERNAL_TOKEN = Option("--internal-token", "the internal token itself (prefer the file or the env var)")
+INTERNAL_TOKEN = Option("--internal-token", "the internal token itself (prefer the file or the env var)",
+                        secret=True)
 CACHE_ISOLATION = Option("--cache-isolation", "prefix-cache sharing between API keys: shared (one tenant) or "
                          "per-key (a key never hits, or can time, another key's cached blocks)", default="shared",
                          choices=("shared", "per-key"))
@@ -125,7 +127,8 @@ LORA_MODULES = Option("--lora-modules", "LoRA adapters to load at start, NAME=PA
                       "turns LoRA on", type=V.lora_module, nargs="+")
 LORA_DIR = Option("--lora-dir", "the directory run-time loads (/v1/load_lora_adapter) may read adapters from")
 LORA_ADMIN_KEY = Option("--lora-admin-key", "the key of /v1/load_lora_adapter and /v1/unload_lora_adapter "
-                        "(distinct from API keys; prefer the env var); unset: run-time loading is off")
+                        "(distinct from API keys; prefer the env var); unset: run-time loading is off",
+                        secret=True)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
@@ -182,7 +185,10 @@ def env_default(opt: Option, env: str | None = None) -> Any:
             if opt.choices is not None and v not in opt.choices:
                 raise ValueError(f"must be one of {', '.join(opt.choices)}")
     except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-        return BadEnvValue(env, opt.flag, text, str(exc) or f"not a valid {getattr(opt.type, '__name__', 'value')}")
+        reason = str(exc) or f"not a valid {getattr(opt.type, '__name__', 'value')}"
+        if opt.secret:  # the value's own type redacts what it echoes (a Redis password); the raw text never
+            text = "(hidden)"
+        return BadEnvValue(env, opt.flag, text, reason)
     return values if opt.nargs else values[0]
 
 

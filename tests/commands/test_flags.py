@@ -308,3 +308,14 @@ def test_the_real_command_exits_2_with_one_line(argv, env, names):
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith(f"pagedserve {argv[0]}: error: ") and names in proc.stderr, proc.stderr
+
+
+def test_a_redis_url_is_checked_without_showing_its_password():
+    cluster = "redis://:s3cret@127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003/0?cluster=true"  # `up --redis-cluster`'s
+    code, stderr, ns = launch(["scheduler", "--port", str(free_port()), "--redis-url", cluster])
+    assert code == 0 and ns.redis_url == cluster, stderr
+    for env, argv in (({}, ["router", "--redis-url", "redis://:s3cret@h:port/0"]),
+                      ({"PAGEDSERVE_REDIS_URL": "http://:s3cret@h:1/0"}, ["router"]),
+                      ({"PAGEDSERVE_REDIS_URL": "redis://:s3cret@h:1,h:99999/0"}, ["scheduler"])):
+        code, stderr, _ = launch(argv, env)
+        assert code == 2 and "s3cret" not in stderr and ("--redis-url" in stderr or "PAGEDSERVE_REDIS_URL" in stderr)
