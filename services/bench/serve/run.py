@@ -150,12 +150,16 @@ def run(args) -> int:
     for name, target in systems:
         server = None
         try:
-            if callable(target):
-                server = target(free_port())
-                url = server.url
-                model = server.wait_ready()
-            else:
-                url, model = target, httpx.get(target + "/v1/models", timeout=30).json()["data"][0]["id"]
+            try:
+                if callable(target):
+                    server = target(free_port())
+                    url = server.url
+                    model = server.wait_ready()
+                else:
+                    url, model = target, httpx.get(target + "/v1/models", timeout=30).json()["data"][0]["id"]
+            except (RuntimeError, httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                # A server that did not start (its log named), or an endpoint that does not answer /v1/models.
+                raise SystemExit(f"pagedserve bench serve: {name}: {type(exc).__name__}: {exc}") from None
             warm = make_serve_workload(WorkloadSpec("random", args.warmup, Lengths(16, 64), Lengths(8, 8),
                                                     seed=args.seed + 99), vocab)
             asyncio.run(run_load(url, model, warm, math.inf, "poisson", 1.0, None, 0, True, progress=False))
