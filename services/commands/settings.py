@@ -118,7 +118,7 @@ MAX_WAITING = Option("--max-waiting", "sequences a replica queues beyond its run
                      "503 + Retry-After (default: twice --max-num-seqs, more for a large KV cache)", type=V.integer(0))
 # None: inferred from the LoRA flags (services.commands.flag_rules), as `--lora-modules` alone turns LoRA on.
 MAX_LORAS = Option("--max-loras", "LoRA adapters resident at once (slots; 0: no adapters; default: one per "
-                   "--lora-modules adapter, 1 with only --lora-dir, else 0)", type=V.integer(0))
+                   "--lora-modules adapter up to 8, 1 with only --lora-dir, else 0)", type=V.integer(0))
 MAX_LORA_RANK = Option("--max-lora-rank", "highest LoRA rank served, every slot padded to it (default: 16, or the "
                        "highest rank among the --lora-modules adapters when that is higher)", type=V.integer(1, 512))
 MAX_CPU_LORAS = Option("--max-cpu-loras", "loaded LoRA adapters kept in host memory (LRU; default: "
