@@ -47,5 +47,8 @@ def convert(model: str | None, output: Path, tokenizer_only: bool = False) -> Pa
 
 
 def run(args) -> int:
-    convert(args.model, Path(args.output), args.tokenizer_only)
+    try:
+        convert(args.model, Path(args.output), args.tokenizer_only)
+    except OSError as exc:  # the disk full, or the directory taken away meanwhile
+        raise SystemExit(f"pagedserve convert: cannot write {args.output}: {exc}") from None
     return 0

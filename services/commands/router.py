@@ -25,8 +25,7 @@ def router_config(args) -> RouterConfig:
 
 
 def run(args) -> int:
-    if not args.redis_url:
-        raise SystemExit("pagedserve router needs --redis-url (or PAGEDSERVE_REDIS_URL): the registry lives there")
+    # --redis-url given, and --k8s-service with --discovery kubernetes: flag_rules.router_registry.
     replica_filter = None
     if args.discovery == "kubernetes":
         from services.router.k8s_discovery import EndpointSliceDiscovery

@@ -17,11 +17,14 @@ from services.model_files.model_source import resolve_tokenizer
 from services.model_files.tokenizer import ModelTokenizer
 from services.openai_api.server import LivenessApp, StartingApp, make_server, run_servers
 from services.replica.service import ReplicaSettings, build_replica
-from services.transport.remote_executor import RemoteExecutor
+from services.transport.remote_executor import EngineOpError, RemoteExecutor
 
 log = logging.getLogger(__name__)
 
 ENGINE_STARTUP_TIMEOUT = 3600.0  # first start may convert a GGUF model; the startup probe bounds it anyway
+# What building a replica on its engine raises for a configuration that engine cannot serve: an adapter it
+# refuses (no LoRA slots, a rank over its --max-lora-rank, shapes of another model), named in the message.
+REPLICA_START_ERRORS = (ValueError, EngineOpError)
 
 
 def default_advertise_url(host: str, port: int) -> str:
@@ -59,6 +62,7 @@ async def _main(args) -> None:
     server = make_server(LivenessApp(starting), args.host, args.port, args.drain_timeout, args.log_level,
                          lifespan="off")
     publishers: list = []
+    refused: list[str] = []
 
     async def leave_registry() -> None:
         for pub in publishers:
@@ -67,7 +71,12 @@ async def _main(args) -> None:
     async def start_replica() -> None:
         log.info("waiting for the engine at %s", args.engine)
         await asyncio.to_thread(executor.wait_ready, ENGINE_STARTUP_TIMEOUT)
-        service = await asyncio.to_thread(build_replica, executor, tokenizer, settings)
+        try:
+            service = await asyncio.to_thread(build_replica, executor, tokenizer, settings)
+        except REPLICA_START_ERRORS as exc:  # no use retrying: stop, and exit with the reason
+            refused.append(str(exc))
+            server.should_exit = True
+            return
         starting.target = service.app
         log.info("replica ready: model %s, %d KV blocks", service.model_name, service.replica.core.info.num_kv_blocks)
         tasks = [service.replica.supervise()]
@@ -87,3 +96,5 @@ async def _main(args) -> None:
         await run_servers([server], [start_replica()], on_stop=[leave_registry])
     finally:
         executor.close()
+    if refused:
+        raise SystemExit(f"pagedserve scheduler: the engine at {args.engine} cannot serve this replica: {refused[0]}")

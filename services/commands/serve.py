@@ -18,10 +18,9 @@ import time
 
 from services.commands.ports import free_port
 from services.commands.processes import ENGINE_FLAGS, Child, flags
-from services.commands.scheduler import replica_settings
+from services.commands.scheduler import REPLICA_START_ERRORS, replica_settings
 from services.contracts.internal_auth import InternalToken
 from services.model_files.tokenizer import ModelTokenizer
-from services.openai_api.errors import APIError
 from services.openai_api.server import make_server, run_servers
 from services.registry.memory_index import MemoryIndex
 from services.replica.service import build_replica
@@ -37,11 +36,11 @@ ENGINE_STEP_TIMEOUT = 120.0
 
 
 def _in_process_engine(args):
+    from services.commands.engine import start_engine
     from services.engine.config import EngineConfig
-    from services.engine.tp_launch import start_runner
     from services.scheduler.executor import InProcessExecutor
 
-    runner = start_runner(EngineConfig.from_args(args))
+    runner = start_engine(EngineConfig.from_args(args), "serve")
     return InProcessExecutor(runner), runner.model_dir
 
 
@@ -79,18 +78,9 @@ async def _restart_dead(child: Child) -> None:
             child.start()
 
 
-def _is_api_key(keys: ApiKeys, candidate: str) -> bool:
-    try:
-        return keys.check(f"Bearer {candidate}") is not None
-    except APIError:
-        return False
-
-
 def run(args) -> int:
-    try:
-        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)  # before minutes of model loading
-        if args.lora_admin_key and _is_api_key(keys, args.lora_admin_key):
-            raise ValueError("--lora-admin-key must differ from every API key (a client key must not load adapters)")
+    try:  # checked at parse time too (flag_rules.secrets, with the admin key), before minutes of model loading
+        keys = ApiKeys.from_sources(args.api_keys_file, args.api_keys)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pagedserve serve: {exc}") from None
     # The replica's port is on loopback, but any local process could reach it there: only our router may.
@@ -102,7 +92,14 @@ def run(args) -> int:
         child, executor, model_dir = _engine_child(args, token)
     tokenizer = ModelTokenizer(model_dir)
     settings = dataclasses.replace(replica_settings(args), internal_token=token)
-    replica = build_replica(executor, tokenizer, settings)
+    try:
+        replica = build_replica(executor, tokenizer, settings)
+    except REPLICA_START_ERRORS as exc:
+        executor.close()
+        if child is not None:
+            child.signal(15)
+            child.wait(30)
+        raise SystemExit(f"pagedserve serve: {exc}") from None
     index = MemoryIndex()
     internal_port = free_port()
     publisher = replica.publisher(index, REPLICA_ID, f"http://127.0.0.1:{internal_port}", args.max_num_seqs,

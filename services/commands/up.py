@@ -85,10 +85,7 @@ class LocalCluster:
         engine_flags = flags(a, [n for n in ENGINE_FLAGS if n != "model"])
         sched_flags = flags(a, ["max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
                                 "max_waiting", "max_body_bytes", "lora_modules", "lora_dir", "log_level"])
-        several = len(self.models) > 1
-        if several and getattr(a, "lora_modules", None):
-            # Adapters fit one base model's shapes; every replica of every model would try to load them.
-            raise SystemExit("pagedserve up: --lora-modules serves adapters of one model; give a single --model")
+        several = len(self.models) > 1  # never with --lora-modules (flag_rules.several_models)
         for spec in self.models:
             model = ["--model", spec.path] if spec.path else []
             named = ["--served-model-name", spec.name] if spec.name else []

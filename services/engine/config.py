@@ -11,6 +11,20 @@ from dataclasses import dataclass
 from services.contracts.byte_size import parse_bytes
 
 LOAD_FORMATS = ("safetensors", "random")
+MAX_LORA_RANK = 512  # vLLM's largest --max-lora-rank too
+
+
+class EngineConfigError(ValueError):
+    """A setting no engine can be built with; `field` names it (the flag is `--` + field with dashes)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field} {message}")
+        self.field = field
+        self.message = message
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -36,25 +50,52 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # loaded adapters kept in host memory (default: max(max_loras, 8))
 
     def __post_init__(self):
+        def refuse(name: str, message: str):
+            raise EngineConfigError(name, message)
+
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+            refuse("load_format", f"must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            refuse("block_size", f"must be a power of two, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
+            refuse("num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
+        if not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1:
+            refuse("kv_cache_memory", f"must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            refuse("max_model_len", f"must be an integer >= 1, got {self.max_model_len!r}")
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            refuse("max_num_seqs", f"must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            refuse("tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         local = self.tp_local_ranks
-        if local is not None and not (1 <= local <= self.tensor_parallel_size
+        if local is not None and not (_is_int(local) and 1 <= local <= self.tensor_parallel_size
                                       and self.tensor_parallel_size % local == 0):
-            raise ValueError(f"tp_local_ranks must divide tensor_parallel_size {self.tensor_parallel_size} "
-                             f"(ranks per machine), got {local}")
-        if not isinstance(self.max_loras, int) or self.max_loras < 0:
-            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
-        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
-            raise ValueError(f"max_lora_rank must be an integer in [1, 512], got {self.max_lora_rank!r}")
-        if not self.tp_timeout > 0:
-            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
+            refuse("tp_local_ranks", f"must divide tensor_parallel_size {self.tensor_parallel_size} "
+                   f"(ranks per machine), got {local}")
+        if not _is_int(self.max_loras) or self.max_loras < 0:
+            refuse("max_loras", f"must be an integer >= 0, got {self.max_loras!r}")
+        if not _is_int(self.max_lora_rank) or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            refuse("max_lora_rank", f"must be an integer in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is not None and (not _is_int(self.max_cpu_loras) or self.max_cpu_loras < 1):
+            refuse("max_cpu_loras", f"must be an integer >= 1, got {self.max_cpu_loras!r}")
+        if not isinstance(self.tp_timeout, (int, float)) or not 0 < self.tp_timeout < float("inf"):
+            refuse("tp_timeout", f"must be > 0 seconds, got {self.tp_timeout!r}")
 
     @property
     def ranks_per_machine(self) -> int:
         return self.tp_local_ranks or self.tensor_parallel_size
+
+    def worker_rank(self, node_rank: int, local_rank: int) -> int:
+        """The group rank of the worker at (`node_rank`, `local_rank`): one of 1..N-1, else EngineConfigError."""
+        size, local = self.tensor_parallel_size, self.ranks_per_machine
+        if self.tp_rendezvous is None:
+            raise EngineConfigError("tp_rendezvous", "is required by a rank other than 0 (rank 0's engine passes it to "
+                                    "the ranks it starts; on another machine: tcp://<rank 0's host>:<port>)")
+        rank = node_rank * local + local_rank
+        if size < 2 or not 0 < rank < size or not 0 <= local_rank < local:
+            raise EngineConfigError("tp_node_rank", f"{node_rank} with tp_local_rank {local_rank} is no rank "
+                                    f"1..{size - 1} of a group of {size} with {local} ranks per machine")
+        return rank
 
     @classmethod
     def from_args(cls, args) -> EngineConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -52,6 +53,10 @@ def _code(text: str) -> int:
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device cuda: no CUDA device is visible here (torch {torch.__version__}, "
+                         f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'built without CUDA'}); "
+                         "use --device cpu or auto")
     return torch.device(device)
 
 
@@ -96,8 +101,6 @@ class ModelRunner:
         dtype, block_size = config.dtype, config.block_size
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.config = config
         self.group = group
         self.device = group.device if group is not None else pick_device(config.device)
@@ -127,7 +130,14 @@ class ModelRunner:
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
-        self.arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        arena_shape = (cfg.num_layers, 2, *shape)
+        try:
+            self.arena = torch.empty(arena_shape, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory, on the CPU as on CUDA
+            size = math.prod(arena_shape) * self.dtype.itemsize
+            raise ValueError(f"kv_cache_memory: a KV cache of {self.num_kv_blocks} blocks ({size / 2**30:.1f} GiB) "
+                             f"does not fit on {self.device}: give a smaller --kv-cache-memory or --num-kv-blocks "
+                             f"({str(exc).splitlines()[0][:200]})") from None
         if self.device.type == "cpu":
             advise_huge_pages(self.arena)
         self.arena.zero_()

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, EngineConfigError
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel_state import RankGroup, RankPlace
 from services.engine.rank_processes import LocalRanks, OwnShare, cpu_shares
@@ -50,13 +50,10 @@ def serve_steps(runner: ModelRunner) -> None:
 
 def run_worker(config: EngineConfig, node_rank: int, local_rank: int) -> int:
     size, local = config.tensor_parallel_size, config.ranks_per_machine
-    rank = node_rank * local + local_rank
-    if config.tp_rendezvous is None:
-        raise SystemExit("pagedserve engine-worker: --tp-rendezvous is required (rank 0's engine passes it to the "
-                         "ranks it starts; on another machine: tcp://<rank 0's host>:<port>)")
-    if size < 2 or not 0 < rank < size or not 0 <= local_rank < local:
-        raise SystemExit(f"pagedserve engine-worker: node {node_rank}, local rank {local_rank} is no rank "
-                         f"1..{size - 1} of a group of {size} with {local} ranks per machine")
+    try:
+        rank = config.worker_rank(node_rank, local_rank)
+    except EngineConfigError as exc:
+        raise SystemExit(f"pagedserve engine-worker: {exc}") from None
     device = rank_device(config.device, local_rank, local)
     ranks = None
     if local_rank == 0:  # the first rank of another machine starts that machine's other ranks

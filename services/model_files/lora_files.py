@@ -106,8 +106,7 @@ def _read(directory: Path, name: str, limit: int) -> bytes:
     return data
 
 
-def read_adapter(path: str, allowed_dir: str | None, max_rank: int, max_bytes: int = DEFAULT_MAX_BYTES) -> AdapterFiles:
-    """Read and check the adapter at `path` (inside `allowed_dir`); raises AdapterError naming the fault."""
+def _adapter_directory(path: str, allowed_dir: str | None) -> Path:
     directory = resolve_within(path, allowed_dir)
     if not directory.is_dir():
         raise AdapterError("lora_path", f"{path!r} is not a directory")
@@ -116,6 +115,12 @@ def read_adapter(path: str, allowed_dir: str | None, max_rank: int, max_bytes: i
         if pickled:
             raise AdapterError(pickled[0], f"pickle files are refused (they run code when loaded): save the adapter "
                                f"as {WEIGHTS_FILE}")
+    return directory
+
+
+def read_adapter(path: str, allowed_dir: str | None, max_rank: int, max_bytes: int = DEFAULT_MAX_BYTES) -> AdapterFiles:
+    """Read and check the adapter at `path` (inside `allowed_dir`); raises AdapterError naming the fault."""
+    directory = _adapter_directory(path, allowed_dir)
     config_bytes = _read(directory, CONFIG_FILE, MAX_CONFIG_BYTES)
     weights = _read(directory, WEIGHTS_FILE, max_bytes)
     rank, alpha, rslora, targets = _check_config(config_bytes, max_rank)
@@ -127,7 +132,18 @@ def read_adapter(path: str, allowed_dir: str | None, max_rank: int, max_bytes: i
     return AdapterFiles(str(directory), digest.hexdigest(), rank, alpha, rslora, targets, tensors, weights)
 
 
-def _check_config(data: bytes, max_rank: int) -> tuple[int, float, bool, tuple[str, ...]]:
+def adapter_rank(path: str) -> int:
+    """The rank of the adapter at `path`, a trusted path given at start (`--lora-modules`): its directory
+    and config checked as `read_adapter` checks them, its weights only found (the engine reads and checks
+    them when it loads the adapter). The launcher sizes `--max-lora-rank` from it before anything starts."""
+    directory = _adapter_directory(path, path)
+    if not (directory / WEIGHTS_FILE).is_file():
+        raise AdapterError(WEIGHTS_FILE, "is missing")
+    rank, _, _, _ = _check_config(_read(directory, CONFIG_FILE, MAX_CONFIG_BYTES), None)
+    return rank
+
+
+def _check_config(data: bytes, max_rank: int | None) -> tuple[int, float, bool, tuple[str, ...]]:
     try:
         cfg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -139,7 +155,7 @@ def _check_config(data: bytes, max_rank: int) -> tuple[int, float, bool, tuple[s
     r = cfg.get("r")
     if type(r) is not int or r < 1:
         raise AdapterError("r", f"must be a positive integer, got {r!r}")
-    if r > max_rank:
+    if max_rank is not None and r > max_rank:
         raise AdapterError("r", f"rank {r} exceeds --max-lora-rank {max_rank}")
     alpha = cfg.get("lora_alpha", 8)
     if type(alpha) not in (int, float) or not 0 < alpha < 1e6:

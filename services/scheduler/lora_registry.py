@@ -32,7 +32,8 @@ class LoraRegistry:
         """Load the adapter at `path` (already checked to be an allowed place) under `name`; raises
         AdapterError naming what is wrong with it."""
         if self.residency is None:
-            raise AdapterError("lora_name", "this replica serves no LoRA adapters (start it with --max-loras)")
+            raise AdapterError("lora_name", "this replica's engine has no LoRA slots (start the engine with "
+                               "--max-loras)")
         info = self.executor.load_lora(path)
         ref = LoraRef(name, info["digest"], path, info["rank"])
         old = self.by_name.get(name)

@@ -92,8 +92,9 @@ def test_a_config_survives_its_flags_and_ranks_parse_them():
                           kv_cache_memory=123456, max_model_len=300, attention_backend="reference", enforce_eager=True,
                           max_num_seqs=3, load_format="random", tensor_parallel_size=4, tp_local_ranks=2,
                           tp_rendezvous="tcp://leader:29500", tp_timeout=9.0)
-    for command in ("engine", "engine-worker"):
-        assert EngineConfig.from_args(build_parser().parse_args([command, *config.as_flags()])) == config
+    # A worker is a rank other than 0: the parser refuses engine-worker as rank 0 (flag_rules.engine_config).
+    for command in (["engine"], ["engine-worker", "--tp-node-rank", "1"]):
+        assert EngineConfig.from_args(build_parser().parse_args([*command, *config.as_flags()])) == config
     worker = build_parser().parse_args(["engine-worker", "--tp-node-rank", "1", *config.as_flags()])
     assert (worker.tp_node_rank, worker.tp_local_rank) == (1, 0) and not hasattr(worker, "port")
 

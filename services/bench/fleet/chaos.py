@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import httpx
 
 from services.bench.fleet.load_client import Tally, send
+from services.commands.bench_flags import one_of
 from services.commands.up import LocalCluster
 from services.contracts.internal_auth import HEADER
 
@@ -240,6 +241,12 @@ async def overload(c: ChaosCluster, cfg: ChaosConfig) -> ScenarioResult:
 
 SCENARIOS = {"engine-kill": engine_kill, "redis-outage": redis_outage, "dropped-streams": dropped_streams,
              "drain": drain, "overload": overload}
+
+
+def check_flags(args) -> None:
+    """What `bench chaos` refuses while its command line is parsed (services.commands.flag_rules)."""
+    if args.scenarios:
+        one_of(args, "scenarios", tuple(SCENARIOS))
 
 
 def run_scenarios(cfg: ChaosConfig, port: int, names: list[str] | None = None, progress=print) -> list[ScenarioResult]:

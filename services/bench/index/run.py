@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from services.bench.index.replay import run_replay
 from services.bench.index.report import FleetResult, median_result, plot, print_result
 from services.bench.index.router_process import RouterProcess
+from services.commands.bench_flags import parsed, positive_numbers
 from services.contracts.block_hash import hash_blocks
 from services.registry.model import ReplicaInfo, ReplicaLoad
 from services.registry.publisher import ReplicaPublisher
@@ -282,13 +283,23 @@ async def _event_rate(client, pubs, fakes, rng, args) -> tuple[float, float, flo
     return target, events / wall, (usec1 - usec0) / max(1, events)
 
 
+def fleet_sizes(text: str) -> list[int]:
+    """--replicas: comma-separated fleet sizes, each >= 1."""
+    return positive_numbers(str(text), int)
+
+
+def check_flags(args) -> None:
+    """What `bench index` refuses while its command line is parsed (services.commands.flag_rules)."""
+    parsed(args, "replicas", fleet_sizes)
+
+
 def run(args) -> int:
     from services.commands.ports import free_port
     from services.commands.processes import Child
     from services.commands.redis_binary import find_redis_server, missing_message
     from services.commands.redis_cluster import LocalRedisCluster, _wait_port
 
-    sizes = [int(x) for x in str(args.replicas).split(",") if x.strip()]
+    sizes = fleet_sizes(args.replicas)
     server: Child | None = None
     cluster: LocalRedisCluster | None = None
     if args.redis_cluster:

@@ -24,6 +24,24 @@ def _git(*argv: str, cwd: Path) -> str:
     return subprocess.run(["git", *argv], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def check_flags(args) -> None:
+    """--before names a commit of this checkout, and the arguments after `--` are `bench throughput`'s
+    (refused while the command line is parsed: services.commands.flag_rules)."""
+    from services.commands.cli import build_parser
+    from services.commands.flag_values import FlagError
+
+    proc = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.before}^{{commit}}"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise FlagError(f"--before {args.before}: not a commit of this checkout (git rev-parse --verify)")
+    build_parser().parse_args(["bench", "throughput", *_throughput_args(args)])
+
+
+def _throughput_args(args) -> list[str]:
+    bench_args = list(args.bench_args)
+    return bench_args[1:] if bench_args[:1] == ["--"] else bench_args
+
+
 def _one(checkout: Path, bench_args: list[str], out: Path) -> dict:
     # Each checkout imports its own `services` (cwd first on the path), with this interpreter's packages.
     env = {**os.environ, "PYTHONPATH": str(checkout)}
@@ -42,9 +60,7 @@ def run(args) -> int:
     before_rev = _git("rev-parse", "--short", args.before, cwd=here)
     after_rev = _git("rev-parse", "--short", "HEAD", cwd=here)
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no", cwd=here))
-    bench_args = list(args.bench_args)
-    if bench_args[:1] == ["--"]:
-        bench_args = bench_args[1:]
+    bench_args = _throughput_args(args)
     tmp = Path(tempfile.mkdtemp(prefix="pagedserve-before-"))
     before = tmp / "checkout"
     _git("worktree", "add", "--detach", str(before), before_rev, cwd=here)

@@ -10,13 +10,15 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from services.bench.offline.kv_efficiency import StepObserver
 from services.bench.offline.workloads import offline_workload
+from services.commands.bench_flags import lora_counts, one_of, parsed
+
+BASELINES = ("transformers", "vllm", "none")
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -79,6 +81,13 @@ def run_vllm(model_dir, requests, args) -> dict:
     return {"system": "vllm", "error": f"vLLM exited {proc.returncode} without a result"}
 
 
+def check_flags(args) -> None:
+    """What `bench throughput` refuses while its command line is parsed (services.commands.flag_rules)."""
+    one_of(args, "against", BASELINES)
+    if args.lora_adapters:
+        parsed(args, "lora_adapters", lora_counts)
+
+
 def run(args) -> int:
     from services import LLM
     from services.bench.offline.null_executor import scheduler_ms_per_step
@@ -87,18 +96,7 @@ def run(args) -> int:
     if getattr(args, "lora_adapters", None):
         from services.bench.offline import lora_mix
 
-        try:
-            counts = sorted({int(c) for c in args.lora_adapters.split(",")})
-        except ValueError:
-            print(f"--lora-adapters: expected counts like 0,1,4, got {args.lora_adapters!r}", file=sys.stderr)
-            return 2
-        if counts[0] < 0:
-            print("--lora-adapters: counts must be >= 0", file=sys.stderr)
-            return 2
-        if args.lora_passes < 1:
-            print("--lora-passes: at least 1", file=sys.stderr)
-            return 2
-        report = lora_mix.run(args, counts)
+        report = lora_mix.run(args, lora_counts(args.lora_adapters))  # checked at parse time (check_flags)
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(report, indent=2))
         return 0
@@ -120,9 +118,6 @@ def run(args) -> int:
             results.append(run_transformers(model_dir, requests, args.dtype))
         elif name == "vllm":
             results.append(run_vllm(model_dir, requests, args))
-        else:
-            print(f"unknown baseline {name!r}", file=sys.stderr)
-            return 2
     ours = results[0]
     for r in results[1:]:
         if "tokens_per_s" in r:

@@ -22,13 +22,18 @@ from services.bench.paper.serve import PoolView, serve_trace, sustained_rate
 from services.bench.paper.sharing_savings import beam_search_saving, parallel_sampling_saving
 from services.bench.paper.step_cost import make_step_cost
 from services.bench.paper.workloads import DISTRIBUTIONS, WorkloadScale, poisson_trace
+from services.commands.bench_flags import block_size, one_of, parsed, positive_numbers
 
 SYSTEMS = ("request-level", "orca-max", "orca-pow2", "orca-oracle", "pagedserve")
 SHARING_WIDTHS = (2, 4, 6)
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def check_flags(args) -> None:
+    """What `bench paper` refuses while its command line is parsed (services.commands.flag_rules)."""
+    block_size(args)
+    one_of(args, "workloads", tuple(DISTRIBUTIONS))
+    one_of(args, "systems", SYSTEMS)
+    parsed(args, "fractions", positive_numbers)
 
 
 def requests_at(num_requests: int, fraction: float) -> int:
@@ -53,7 +58,7 @@ def run_workload(llm, w: WorkloadScale, args, block_size: int) -> dict:
     step_cost = make_step_cost(args.step_cost, torch.get_num_threads(), w.scale)
     all_at_once = poisson_trace(w, args.num_requests, math.inf, vocab, args.seed)
     capacity = serve_trace(core_for("pagedserve"), all_at_once, math.inf, step_cost=step_cost).throughput
-    fractions = _floats(args.fractions)
+    fractions = positive_numbers(args.fractions)
     rates = [round(f * capacity, 3) for f in fractions]
     print(f"\n{w.dist.name}: scale {w.scale}, max sequence {w.max_seq_len} tokens, pool {w.pool_blocks(block_size)} "
           f"blocks of {block_size}; pagedserve capacity {capacity:.2f} req/s; rates {rates}", flush=True)

@@ -30,6 +30,8 @@ from services.bench.serve.workloads import (
     make_serve_workload,
     mark_structured,
 )
+from services.commands.bench_flags import lora_counts, one_of, parsed
+from services.commands.flag_values import FlagError
 from services.contracts import metric_names as M
 
 _GUIDED = (M.GUIDED_MASK_SECONDS, M.GUIDED_MASK_STEPS, M.GUIDED_CONSTRAINED_ROWS, M.SAMPLED_ROWS)
@@ -61,7 +63,28 @@ def mask_cost(before: dict | None, after: dict | None) -> dict | None:
 
 
 def parse_rates(text: str) -> list[float]:
-    return [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
+    """'1,2,4' (req/s) or 'inf' / 'max' (every request at once)."""
+    rates = [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError("expected comma-separated rates > 0 (req/s), or inf")
+    return rates
+
+
+def check_flags(args) -> None:
+    """What `bench serve` refuses while its command line is parsed (services.commands.flag_rules): the
+    lengths, rates and SLO through the parsers the run uses, and the systems to measure."""
+    for dest, parse in (("input_len", Lengths.parse), ("output_len", Lengths.parse), ("rates", parse_rates),
+                        ("slo", SLO.parse)):
+        parsed(args, dest, parse)
+    if args.systems:
+        one_of(args, "systems", ("serve", "up"))
+    if args.lora_adapters:
+        parsed(args, "lora_adapters", lora_counts)
+        if args.endpoint or args.against or args.structured:
+            raise FlagError("--lora-adapters starts its own `pagedserve serve`: no --endpoint, --against or "
+                            "--structured with it")
+    elif not (args.endpoint or args.systems or args.against):
+        raise FlagError("nothing to benchmark: give --endpoint URL, --systems serve[,up] and/or --against vllm")
 
 
 def _row(system: str, rate: float, s: dict) -> str:
@@ -82,16 +105,7 @@ def _lora(args, rates, workloads, vocab: int, slo: SLO, log_dir: Path) -> int:
     from services.bench.serve import lora as serve_lora
 
     try:
-        counts = sorted({int(c) for c in args.lora_adapters.split(",")})
-    except ValueError:
-        print(f"--lora-adapters: expected counts like 0,1,4, got {args.lora_adapters!r}", file=sys.stderr)
-        return 2
-    if counts[0] < 0 or args.endpoint or args.against or args.structured:
-        print("--lora-adapters: counts >= 0, and it starts its own `pagedserve serve` (no --endpoint, --against "
-              "or --structured)", file=sys.stderr)
-        return 2
-    try:
-        report = serve_lora.run(args, counts, rates, workloads, vocab, slo, log_dir)
+        report = serve_lora.run(args, lora_counts(args.lora_adapters), rates, workloads, vocab, slo, log_dir)
     except ValueError as exc:
         print(f"--lora-adapters: {exc}", file=sys.stderr)
         return 2
@@ -112,9 +126,6 @@ def run(args) -> int:
     # Each rate gets its own prompts (same for every system): with one set, every rate after the first
     # would hit the prefix cache the previous rate filled and report prefill-free TTFTs.
     workloads = [make_serve_workload(replace(spec, seed=spec.seed + 1000 * i), vocab) for i in range(len(rates))]
-    if not 0.0 <= args.structured <= 1.0:
-        print("--structured is a share of requests, in [0, 1]", file=sys.stderr)
-        return 2
     for i, w in enumerate(workloads):
         mark_structured(w, args.structured, spec.seed + i)
     requests = workloads[0]
@@ -132,10 +143,6 @@ def run(args) -> int:
         model_dir = resolve_model(args.model)
         served = args.served_model_name or "SmolLM2-135M-Instruct"
         systems.append(("vllm", lambda port: vllm_server(args, port, model_dir, served, log_dir)))
-    if not systems:
-        print("nothing to benchmark: give --endpoint URL, --systems serve[,up] and/or --against vllm",
-              file=sys.stderr)
-        return 2
     print(f"workload {spec.name}: {len(requests)} {'sessions' if spec.name == 'multi-turn' else 'requests'}, "
           f"rates {args.rates}, arrival {args.arrival}, SLO {slo}; machine {os.cpu_count()} cores", flush=True)
     report = {"workload": asdict(spec), "rates": args.rates, "arrival": args.arrival, "slo": str(slo),
@@ -143,12 +150,16 @@ def run(args) -> int:
     for name, target in systems:
         server = None
         try:
-            if callable(target):
-                server = target(free_port())
-                url = server.url
-                model = server.wait_ready()
-            else:
-                url, model = target, httpx.get(target + "/v1/models", timeout=30).json()["data"][0]["id"]
+            try:
+                if callable(target):
+                    server = target(free_port())
+                    url = server.url
+                    model = server.wait_ready()
+                else:
+                    url, model = target, httpx.get(target + "/v1/models", timeout=30).json()["data"][0]["id"]
+            except (RuntimeError, httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                # A server that did not start (its log named), or an endpoint that does not answer /v1/models.
+                raise SystemExit(f"pagedserve bench serve: {name}: {type(exc).__name__}: {exc}") from None
             warm = make_serve_workload(WorkloadSpec("random", args.warmup, Lengths(16, 64), Lengths(8, 8),
                                                     seed=args.seed + 99), vocab)
             asyncio.run(run_load(url, model, warm, math.inf, "poisson", 1.0, None, 0, True, progress=False))

@@ -97,7 +97,11 @@ def run(args) -> int:
     from pydantic import BaseModel, Field
 
     client = openai.OpenAI(base_url=args.endpoint.rstrip("/") + "/v1", api_key="unused", timeout=600, max_retries=0)
-    model = client.models.list().data[0].id
+    try:
+        model = client.models.list().data[0].id
+    except (openai.APIError, IndexError) as exc:  # nothing there, or nothing served
+        raise SystemExit(f"pagedserve bench structured: {args.endpoint}/v1/models: {type(exc).__name__}: "
+                         f"{exc}") from None
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
         results = list(pool.map(lambda i: _one(client, model, i, args.max_tokens), range(args.num_requests)))

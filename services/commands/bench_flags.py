@@ -1,0 +1,236 @@
+"""The `pagedserve bench` subcommands' flags, and what each refuses before a benchmark starts.
+
+Counts, sizes and ports are checked by their types (services.commands.flag_values); the lists and
+specs a benchmark parses itself (rates, lengths, SLOs, the systems and scenarios to run) are checked here
+with the benchmark's own parser, so a bad one is one line from the argument parser, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.commands import flag_values as V
+from services.commands.flag_values import FlagError, flag
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_kind", required=True)
+    t = bsub.add_parser("throughput", help="offline throughput against transformers and vLLM")
+    t.add_argument("--workload", default="w1", choices=("w1", "w2", "w3"))
+    t.add_argument("--against", default="transformers,vllm",
+                   help="comma-separated baselines: transformers, vllm (or 'none')")
+    t.add_argument("--model", default=None)
+    t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    t.add_argument("--seed", type=V.integer(), default=0)
+    t.add_argument("--scale", type=V.number(0, above=True), default=1.0,
+                   help="multiply the number of requests (quick runs)")
+    t.add_argument("--max-num-seqs", type=V.integer(1), default=256)
+    t.add_argument("--max-num-batched-tokens", type=V.integer(1), default=2048)
+    t.add_argument("--tensor-parallel-size", type=V.integer(1), default=1,
+                   help="ranks pagedserve's engine is split across")
+    t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    t.add_argument("--lora-adapters", default=None,
+                   help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: throughput of each "
+                        "and its ratio to the base model (0) in the same run, instead of the baselines")
+    t.add_argument("--lora-passes", type=V.integer(1), default=2,
+                   help="with --lora-adapters: passes over the counts, alternately in order and reversed")
+    t.set_defaults(handler="services.bench.offline.throughput:run",
+                   flag_check="services.bench.offline.throughput:check_flags")
+    ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
+                         "alternating runs in one command, ratio of medians")
+    ba.add_argument("--before", required=True, help="the earlier git revision (checked out in a temporary worktree)")
+    ba.add_argument("--runs", type=V.integer(1), default=3, help="alternating runs of each")
+    ba.add_argument("--json", dest="json_path", default=None)
+    ba.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `bench throughput` arguments")
+    ba.set_defaults(handler="services.bench.offline.before_after:run",
+                    flag_check="services.bench.offline.before_after:check_flags")
+    r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
+    r.add_argument("--replicas", type=V.integer(1), default=3)
+    r.add_argument("--groups", type=V.integer(1), default=8, help="distinct system prompts")
+    r.add_argument("--questions", type=V.integer(1), default=12, help="user questions per system prompt")
+    r.add_argument("--system-tokens", type=V.integer(1), default=400, help="approximate system prompt length")
+    r.add_argument("--concurrency", type=V.integer(1), default=4, help="concurrent clients")
+    r.add_argument("--max-tokens", type=V.integer(1), default=8)
+    r.add_argument("--model", default=None)
+    r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    r.add_argument("--block-size", type=V.integer(1, 1024), default=16)
+    r.add_argument("--kv-cache-memory", type=V.byte_size, default="256M", help="per replica")
+    r.add_argument("--max-num-seqs", type=V.integer(1), default=16)
+    r.add_argument("--port", type=V.PORT, default=8000, help="router port of the clusters")
+    r.add_argument("--seed", type=V.integer(), default=0)
+    r.set_defaults(handler="services.bench.fleet.routing:run_routing", flag_check=f"{__name__}:block_size")
+    s = bsub.add_parser("serve", help="online serving through HTTP: rate sweeps, TTFT/TPOT/ITL, goodput; "
+                        "against any endpoint, pagedserve's servers and vLLM's")
+    s.add_argument("--endpoint", type=V.HTTP_URL, default=None, help="an OpenAI-compatible server to measure, e.g. http://host:8000")
+    s.add_argument("--systems", default=None, help="pagedserve servers to start and measure: serve, up")
+    s.add_argument("--against", default=None, choices=("vllm",), help="also start and measure vLLM's server")
+    s.add_argument("--model", default=None)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    s.add_argument("--kv-cache-memory", type=V.byte_size, default="2G", help="KV cache of every started server")
+    s.add_argument("--max-model-len", type=V.integer(1), default=2048)
+    s.add_argument("--workload", default="random", choices=("random", "chat", "shared-prefix", "multi-turn"))
+    s.add_argument("--num-requests", type=V.integer(1), default=64, help="requests per rate (sessions for multi-turn)")
+    s.add_argument("--input-len", default="32-512", help="prompt tokens: N or LOW-HIGH")
+    s.add_argument("--output-len", default="16-256", help="output tokens: N or LOW-HIGH")
+    s.add_argument("--prefix-len", type=V.integer(0), default=384, help="shared-prefix: tokens each group shares")
+    s.add_argument("--groups", type=V.integer(1), default=8, help="shared-prefix groups")
+    s.add_argument("--turns", type=V.integer(1), default=4, help="multi-turn: turns per session")
+    s.add_argument("--rates", default="1,2,4", help="request rates to sweep (req/s; 'inf' sends all at once)")
+    s.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "concurrency"))
+    s.add_argument("--burstiness", type=V.number(0, above=True), default=1.0,
+                   help="gamma shape: < 1 burstier than Poisson")
+    s.add_argument("--concurrency", type=V.integer(1), default=None, help="cap on requests in flight")
+    s.add_argument("--slo", default="ttft=500ms,tpot=100ms", help="goodput counts requests meeting it")
+    s.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
+    s.add_argument("--structured", type=V.number(0, high=1), default=0.0,
+                   help="share of requests (0-1) constrained to a JSON schema (response_format json_schema)")
+    s.add_argument("--warmup", type=V.integer(0), default=8, help="requests sent to each server before measuring")
+    s.add_argument("--lora-adapters", default=None,
+                   help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: starts one `pagedserve "
+                        "serve` with them and gives each count's throughput and its ratio to the base model (0)")
+    s.add_argument("--seed", type=V.integer(), default=0)
+    s.add_argument("--log-dir", default=None, help="where started servers' logs go (default .bench/logs)")
+    s.add_argument("--json", dest="json_path", default=None)
+    s.add_argument("--plot", default=None, help="write latency-vs-rate and CDF plots to this PNG (matplotlib)")
+    s.set_defaults(handler="services.bench.serve.run:run", flag_check="services.bench.serve.run:check_flags")
+    g = bsub.add_parser("structured", help="mixed structured-output requests with the openai client against an "
+                        "endpoint, every answer parsed and validated")
+    g.add_argument("--endpoint", type=V.HTTP_URL, required=True, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    g.add_argument("--num-requests", type=V.integer(1), default=200)
+    g.add_argument("--concurrency", type=V.integer(1), default=16)
+    g.add_argument("--max-tokens", type=V.integer(1), default=256)
+    g.set_defaults(handler="services.bench.serve.structured_check:run")
+    c = bsub.add_parser("chaos", help="faults under load on a local cluster: engine kill, Redis outage, dropped "
+                        "streams, scheduler drain, overload burst")
+    c.add_argument("--model", default=None)
+    c.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    c.add_argument("--replicas", type=V.integer(1), default=2)
+    c.add_argument("--streams", type=V.integer(1), default=16, help="streams in flight when the engine is killed")
+    c.add_argument("--redis-outage", type=V.number(0), default=20.0, help="seconds Redis stays stopped")
+    c.add_argument("--dropped", type=V.integer(0), default=200, help="clients that drop their stream after one token")
+    c.add_argument("--burst", type=V.integer(1), default=600, help="requests sent at once")
+    c.add_argument("--scenarios", default=None, help="comma-separated subset of: engine-kill, redis-outage, "
+                   "dropped-streams, drain, overload")
+    c.add_argument("--json", dest="json_path", default=None)
+    c.set_defaults(handler="services.bench.fleet.chaos:run", flag_check="services.bench.fleet.chaos:check_flags")
+    _add_bench_paper(bsub)
+    x = bsub.add_parser("index", help="the prefix index under a simulated fleet: cost per decision against N")
+    x.add_argument("--replicas", default="10,100,1000", help="comma-separated fleet sizes")
+    x.add_argument("--redis-cluster", type=V.integer(0), default=0, help="run on a local cluster of this many shards")
+    x.add_argument("--cached-blocks", type=V.integer(0), default=1000, help="background blocks each replica caches")
+    x.add_argument("--capacity", type=V.integer(1), default=4000, help="blocks a replica's cache holds")
+    x.add_argument("--groups-per-replica", type=V.integer(1), default=1, help="system prompts per replica")
+    x.add_argument("--questions", type=V.integer(1), default=10, help="requests per system prompt")
+    x.add_argument("--min-decisions", type=V.integer(1), default=10_000,
+                   help="decisions per fleet size at least (small fleets run more rounds of fresh groups): the "
+                        "default, one round at 1,000 replicas, gives every size the same number of prompts, so "
+                        "the index holds as many keys of them whatever the fleet size")
+    x.add_argument("--hold", type=V.integer(0), default=0, help="decisions a request stays in flight (0: 2 x replicas)")
+    x.add_argument("--publish-every", type=V.integer(1), default=10, help="decisions between two event publishes")
+    x.add_argument("--event-seconds", type=V.number(0, above=True), default=3.0, help="length of the event-rate phase")
+    x.add_argument("--event-scale", type=V.number(0, above=True), default=1.0,
+                   help="fraction of the H200 event rate (2,000 block events/s per replica) to generate")
+    x.add_argument("--passes", type=int, default=1, choices=range(1, 21), metavar="1..20",
+                   help="runs of every size, in alternating order; each figure is their median")
+    x.add_argument("--replay-seconds", type=V.number(0), default=1.0,
+                   help="seconds of the fleet's index writes at the H200 rate, recorded then sent at once (0: skip)")
+    x.add_argument("--seed", type=V.integer(), default=0)
+    x.add_argument("--json", dest="json_path", default=None)
+    x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")
+    x.set_defaults(handler="services.bench.index.run:run", flag_check="services.bench.index.run:check_flags")
+    o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler, and "
+                                                "the router's and scheduler's CPU per request on a real cluster")
+    o.add_argument("--requests", type=V.integer(1), default=500)
+    o.add_argument("--no-cpu", dest="cpu", action="store_false",
+                   help="skip the CPU-per-request part (it starts `pagedserve up` on the bundled model)")
+    o.add_argument("--model", default=None, help="model of the CPU-per-request part (default: the bundled one)")
+    o.add_argument("--json", dest="json_path", default=None, help="write the figures here")
+    o.set_defaults(handler="services.bench.fleet.router_overhead:run_overhead")
+
+
+def _add_bench_paper(bsub) -> None:
+    q = bsub.add_parser("paper", help="the Orca and vLLM papers' baselines (request-level, Orca-Max/Pow2/Oracle) "
+                        "against pagedserve on one engine: KV memory breakdown, latency vs rate, sharing savings")
+    q.add_argument("--model", default=None)
+    q.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    q.add_argument("--workloads", default="sharegpt,alpaca", help="comma-separated: sharegpt, alpaca")
+    q.add_argument("--systems", default="pagedserve,orca-oracle,orca-pow2,orca-max,request-level",
+                   help="comma-separated serving systems (pagedserve first: the bound and rates derive from it)")
+    q.add_argument("--scale-sharegpt", type=V.number(0, above=True), default=0.125,
+                   help="ShareGPT lengths, maximum sequence length and pool times this")
+    q.add_argument("--scale-alpaca", type=V.number(0, above=True), default=0.5, help="the same for Alpaca")
+    q.add_argument("--num-requests", type=V.integer(1), default=200,
+                   help="requests per rate: enough that the queue, not the trace, decides how full the pool gets")
+    q.add_argument("--fractions", default="0.125,0.25,0.5,1,2,4",
+                   help="swept rates, as fractions of pagedserve's measured capacity (all requests at once)")
+    q.add_argument("--bound-factor", type=V.number(0, above=True), default=2.0,
+                   help="latency bound: this times pagedserve's normalized latency at the lowest rate")
+    q.add_argument("--sharing-requests", type=V.integer(0), default=8, help="requests of the sharing runs (0: skip)")
+    q.add_argument("--sharing-pool-blocks", type=V.integer(1), default=640)
+    q.add_argument("--block-size", type=V.integer(1, 1024), default=16)
+    q.add_argument("--max-num-seqs", type=V.integer(1), default=256)
+    q.add_argument("--max-num-batched-tokens", type=V.integer(1), default=2048)
+    q.add_argument("--seed", type=V.integer(), default=0)
+    q.add_argument("--step-cost", default="cpu", choices=("cpu", "a100-opt13b"),
+                   help="what a step costs on the virtual clock: measured here, or modeled for the paper's OPT-13B on "
+                        "an A100 (the real engine still runs every step)")
+    q.add_argument("--threads", type=V.integer(0), default=1,
+                   help="torch threads; at 1 each step is timed on CPU time, which other processes' load does not "
+                        "inflate (0: torch's default, timed on wall time)")
+    q.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    q.add_argument("--plot", default=None, help="write the figures to this PNG (matplotlib)")
+    q.set_defaults(handler="services.bench.paper.run:run", flag_check="services.bench.paper.run:check_flags")
+
+
+# -- helpers of the benches' own flag checks ------------------------------------------------------------
+# Each bench checks its lists and specs with its own parsers in a `check_flags(args)` that its subparser
+# names by string, as it names its handler (commands never import a bench: the benches import commands).
+
+def items(ns: argparse.Namespace, dest: str) -> list[str]:
+    return [item.strip() for item in str(getattr(ns, dest) or "").split(",") if item.strip()]
+
+
+def one_of(ns: argparse.Namespace, dest: str, allowed) -> list[str]:
+    """The flag's comma-separated items, each one of `allowed`."""
+    chosen = items(ns, dest)
+    unknown = [item for item in chosen if item not in allowed]
+    if unknown or not chosen:
+        raise FlagError(f"{flag(dest)} {getattr(ns, dest)}: comma-separated, each one of {', '.join(allowed)}")
+    return chosen
+
+
+def parsed(ns: argparse.Namespace, dest: str, parse):
+    """The flag's text through `parse`, the bench's own parser of it (one definition of what it accepts)."""
+    try:
+        return parse(getattr(ns, dest))
+    except (ValueError, KeyError, IndexError) as exc:
+        raise FlagError(f"{flag(dest)} {getattr(ns, dest)}: {exc}") from None
+
+
+def lora_counts(text: str) -> list[int]:
+    """--lora-adapters: adapter counts of the mix, e.g. 0,1,4 (0: the base model alone)."""
+    try:
+        counts = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        raise ValueError("expected counts like 0,1,4") from None
+    if counts[0] < 0:
+        raise ValueError("counts must be >= 0")
+    return counts
+
+
+def positive_numbers(text: str, kind=float) -> list:
+    values = [kind(x) for x in text.split(",") if x.strip()]
+    if not values or any(not v > 0 for v in values):
+        raise ValueError("expected comma-separated numbers > 0")
+    return values
+
+
+def block_size(ns: argparse.Namespace) -> None:
+    from services.engine.config import EngineConfig, EngineConfigError
+
+    try:
+        EngineConfig(block_size=ns.block_size)
+    except EngineConfigError as exc:
+        raise FlagError(f"--block-size {ns.block_size}: {exc.message}") from None
