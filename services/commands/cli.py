@@ -217,20 +217,25 @@ def _add_bench(sub) -> None:
 def _add_bench_paper(bsub) -> None:
     q = bsub.add_parser("paper", help="the Orca and vLLM papers' baselines (request-level, Orca-Max/Pow2/Oracle) "
                         "against pagedserve on one engine: KV memory breakdown, latency vs rate, sharing savings")
-    q.add_argument("--model", default=None)
-    q.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    q.add_argument("--model", default=None,
+                   help="the engine's model (default: a 2-layer random Llama built once into the cache, in float32: "
+                        "the comparison is of scheduling and KV placement, and SmolLM2's CPU steps would take hours)")
+    q.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default: float32 for the default model, else bfloat16")
     q.add_argument("--workloads", default="sharegpt,alpaca", help="comma-separated: sharegpt, alpaca")
     q.add_argument("--systems", default="pagedserve,orca-oracle,orca-pow2,orca-max,request-level",
-                   help="comma-separated serving systems (pagedserve first: the bound and rates derive from it)")
+                   help="comma-separated serving systems (pagedserve first: the bound and trace length derive from it)")
     q.add_argument("--scale-sharegpt", type=float, default=0.125,
                    help="ShareGPT lengths, maximum sequence length and pool times this")
     q.add_argument("--scale-alpaca", type=float, default=0.5, help="the same for Alpaca")
-    q.add_argument("--num-requests", type=int, default=200,
-                   help="requests per rate: enough that the queue, not the trace, decides how full the pool gets")
-    q.add_argument("--fractions", default="0.125,0.25,0.5,1,2,4",
-                   help="swept rates, as fractions of pagedserve's measured capacity (all requests at once)")
+    q.add_argument("--trace-requests", type=int, default=200,
+                   help="every trace lasts as long as pagedserve takes to serve this many requests all at once (so "
+                        "a rate r gets r x that many seconds of requests)")
+    q.add_argument("--min-requests", type=int, default=50, help="fewest requests of a trace (a low rate runs longer)")
+    q.add_argument("--bracket", type=float, default=1.10,
+                   help="bisect each system's sustained rate until failed / passed is at most this")
     q.add_argument("--bound-factor", type=float, default=2.0,
-                   help="latency bound: this times pagedserve's normalized latency at the lowest rate")
+                   help="latency bound: this times pagedserve's normalized latency at 1/8 of its capacity")
     q.add_argument("--sharing-requests", type=int, default=8, help="requests of the sharing runs (0: skip)")
     q.add_argument("--sharing-pool-blocks", type=int, default=640)
     q.add_argument("--block-size", type=int, default=16)
@@ -238,8 +243,8 @@ def _add_bench_paper(bsub) -> None:
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--step-cost", default="cpu", choices=("cpu", "a100-opt13b"),
-                   help="what a step costs on the virtual clock: measured here, or modeled for the paper's OPT-13B on "
-                        "an A100 (the real engine still runs every step)")
+                   help="what a step costs on the virtual clock: measured here (CPU time), or modeled for the paper's "
+                        "OPT-13B on an A100 (an uncalibrated roofline; the real engine still runs every step)")
     q.add_argument("--threads", type=int, default=1,
                    help="torch threads; at 1 each step is timed on CPU time, which other processes' load does not "
                         "inflate (0: torch's default, timed on wall time)")
