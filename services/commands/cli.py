@@ -209,9 +209,14 @@ def _add_bench(sub) -> None:
     x.add_argument("--json", dest="json_path", default=None)
     x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")
     x.set_defaults(handler="services.bench.index.run:run")
-    o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler")
+    o = bsub.add_parser("router-overhead", help="median time the router adds between client and scheduler, and "
+                                                "the router's and scheduler's CPU per request on a real cluster")
     o.add_argument("--requests", type=int, default=500)
-    o.set_defaults(handler="services.bench.fleet.routing:run_overhead")
+    o.add_argument("--no-cpu", dest="cpu", action="store_false",
+                   help="skip the CPU-per-request part (it starts `pagedserve up` on the bundled model)")
+    o.add_argument("--model", default=None, help="model of the CPU-per-request part (default: the bundled one)")
+    o.add_argument("--json", dest="json_path", default=None, help="write the figures here")
+    o.set_defaults(handler="services.bench.fleet.router_overhead:run_overhead")
 
 
 def _add_bench_paper(bsub) -> None:

@@ -29,7 +29,6 @@ import xxhash
 from kernels.token_bitmask import apply_token_bitmask, masked_argmax
 from services.contracts.step_protocol import PenaltySpec, SamplingSpec, TokenLogprobs
 from services.engine.logits_processors import apply_min_p, apply_penalties
-from services.request.sampling_params import MIN_TEMPERATURE
 
 
 @dataclass
@@ -81,8 +80,10 @@ class Sampler:
                                        device=logits.device)] = float("-inf")
         bitmask = _bitmask(rows, logits.device)
         # Temperatures too small to divide by are greedy (the scheduler already sends them as 0).
-        greedy = [i for i, r in enumerate(rows) if r.spec.temperature < MIN_TEMPERATURE]
-        rand = [i for i, r in enumerate(rows) if r.spec.temperature >= MIN_TEMPERATURE]
+        # The scheduler floored tiny temperatures to 0 (services.request.limits.effective_temperature, once);
+        # the step's validation refused any other temperature below the floor.
+        greedy = [i for i, r in enumerate(rows) if r.spec.temperature == 0]
+        rand = [i for i, r in enumerate(rows) if r.spec.temperature != 0]
         want = [i for i, r in enumerate(rows) if r.spec.logprobs is not None]
         # Rows whose logits a bias or penalty changes (min_p alone is applied in _sample, and greedy
         # rows ignore it: it never moves the argmax).

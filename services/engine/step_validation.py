@@ -11,16 +11,14 @@ names every offending sequence and field, so the scheduler can fail just those r
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
 from services.contracts.step_protocol import SchedulerOutput, StepFault
+from services.request import limits as L
 
-# The sampler's ranges. Seeds are hashed as 64-bit values; a top_k past the vocabulary keeps every token.
-MAX_NUM_SAMPLES = 128  # one prompt's forks sampled in the step its prefill ends (the API's largest n)
+MAX_NUM_SAMPLES = L.MAX_N  # one prompt's forks sampled in the step its prefill ends (the API's largest n)
 INDEX_LIMIT = 2 ** 63
-SEED_RANGE = (-(2 ** 63), 2 ** 64)
 
 
 @dataclass(frozen=True)
@@ -49,14 +47,13 @@ def _is_number(v) -> bool:
 def sampling_ok(spec, vocab_size: int) -> bool:
     """The fast check of one SamplingSpec (the same rules as `_sampling_faults`, as one expression)."""
     t, p, k, seed, lp = spec.temperature, spec.top_p, spec.top_k, spec.seed, spec.logprobs
-    return (isinstance(t, (int, float)) and 0.0 <= t <= 1.7976931348623157e308
-            and isinstance(p, (int, float)) and 0.0 < p <= 1.0
-            and isinstance(k, int) and -1 <= k < INDEX_LIMIT
-            and (seed is None or (isinstance(seed, int) and SEED_RANGE[0] <= seed < SEED_RANGE[1]))
-            and (lp is None or (isinstance(lp, int) and 0 <= lp <= vocab_size)))
+    return (L.wire_temperature_ok(t) and L.TOP_P.admits(p) and L.TOP_K.admits(k) and k <= vocab_size
+            and (seed is None or L.SEED.admits(seed))
+            and (lp is None or (L.WIRE_LOGPROBS.admits(lp) and lp <= vocab_size)))
 
 
 def _sampling_faults(seq_id: str, spec, vocab_size: int) -> list[StepFault]:
+    """The request's own ranges (services.request.limits), as the scheduler put them on the wire."""
     out = []
 
     def bad(field: str, message: str) -> None:
@@ -64,28 +61,21 @@ def _sampling_faults(seq_id: str, spec, vocab_size: int) -> list[StepFault]:
 
     t, p, k = getattr(spec, "temperature", None), getattr(spec, "top_p", None), getattr(spec, "top_k", None)
     seed, lp = getattr(spec, "seed", None), getattr(spec, "logprobs", None)
-    if not _is_number(t) or not (math.isfinite(t) and t >= 0):
-        bad("temperature", f"must be a finite number >= 0, got {t!r}")
-    if not _is_number(p) or not (0.0 < p <= 1.0):
-        bad("top_p", f"must be in (0, 1], got {p!r}")
-    if not _is_int(k) or not (-1 <= k < INDEX_LIMIT):
-        bad("top_k", f"must be -1 (disabled) or an integer in [0, 2**63), got {k!r}")
-    if seed is not None and (not _is_int(seed) or not (SEED_RANGE[0] <= seed < SEED_RANGE[1])):
-        bad("seed", f"must be None or a 64-bit integer, got {_short(seed)}")
-    if lp is not None and (not _is_int(lp) or not (0 <= lp <= vocab_size)):
-        bad("logprobs", f"must be None or an integer in [0, {vocab_size}], got {_short(lp)}")
+    if not L.wire_temperature_ok(t):
+        bad("temperature", f"must be 0 or {L.TEMPERATURE.describe()} of at least {L.MIN_TEMPERATURE} (the "
+                           f"scheduler floors smaller ones to 0), got {_short(t)}")
+    if not L.TOP_P.admits(p):
+        bad("top_p", f"must be {L.TOP_P.describe()}, got {_short(p)}")
+    if not L.TOP_K.admits(k):
+        bad("top_k", f"must be {L.TOP_K.describe()}, got {_short(k)}")
+    elif k > vocab_size:
+        bad("top_k", f"{k} exceeds the vocabulary size {vocab_size}")
+    if seed is not None and not L.SEED.admits(seed):
+        bad("seed", f"must be None or {L.SEED.describe()}, got {_short(seed)}")
+    if lp is not None and (not L.WIRE_LOGPROBS.admits(lp) or lp > vocab_size):
+        bad("logprobs", f"must be None or {L.WIRE_LOGPROBS.describe()} and at most the vocabulary size "
+                        f"{vocab_size}, got {_short(lp)}")
     return out
-
-
-# A PenaltySpec's ranges (services.request.sampling_params checks the same, more tightly, on the request side).
-PENALTY_LIMIT = 2.0
-REPETITION_RANGE = (0.01, 100.0)
-BIAS_LIMIT = 100.0
-MAX_BIAS_ENTRIES = 300
-
-
-def _in(v, lo: float, hi: float) -> bool:
-    return isinstance(v, (int, float)) and lo <= v <= hi  # NaN compares false: refused
 
 
 def _id_list_ok(values, vocab_size: int, max_len: int) -> bool:
@@ -100,27 +90,23 @@ def penalties_ok(p, vocab_size: int, max_model_len: int) -> bool:
 
 
 def _penalty_faults(seq_id: str, p, vocab_size: int, max_model_len: int) -> list[StepFault]:
+    """The request's ranges of penalties, min_p and logit bias (services.request.limits)."""
     out = []
 
     def bad(field: str, message: str) -> None:
         out.append(StepFault(seq_id, f"penalties.{field}", message))
 
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name, bound in (("presence_penalty", L.PENALTY), ("frequency_penalty", L.PENALTY),
+                        ("repetition_penalty", L.REPETITION_PENALTY), ("min_p", L.MIN_P)):
         v = getattr(p, name, None)
-        if not _in(v, -PENALTY_LIMIT, PENALTY_LIMIT):
-            bad(name, f"must be a number in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {_short(v)}")
-    v = getattr(p, "repetition_penalty", None)
-    if not _in(v, *REPETITION_RANGE):
-        bad("repetition_penalty", f"must be a number in {list(REPETITION_RANGE)}, got {_short(v)}")
-    v = getattr(p, "min_p", None)
-    if not _in(v, 0.0, 1.0):
-        bad("min_p", f"must be a number in [0, 1], got {_short(v)}")
+        if not bound.admits(v):
+            bad(name, f"must be {bound.describe()}, got {_short(v)}")
     ids, values = getattr(p, "bias_token_ids", None), getattr(p, "bias_values", None)
-    if not _id_list_ok(ids, vocab_size, MAX_BIAS_ENTRIES):
-        bad("bias_token_ids", f"must be at most {MAX_BIAS_ENTRIES} token ids in [0, {vocab_size})")
+    if not _id_list_ok(ids, vocab_size, L.MAX_LOGIT_BIAS):
+        bad("bias_token_ids", f"must be at most {L.MAX_LOGIT_BIAS} token ids in [0, {vocab_size})")
     elif (type(values) is not list or len(values) != len(ids)
-          or not all(_in(b, -BIAS_LIMIT, BIAS_LIMIT) for b in values)):
-        bad("bias_values", f"must be one number in [-{BIAS_LIMIT}, {BIAS_LIMIT}] per bias_token_ids entry")
+          or not all(L.LOGIT_BIAS.admits(b) for b in values)):
+        bad("bias_values", f"must be one {L.LOGIT_BIAS.describe()} per bias_token_ids entry")
     for name in ("output_token_ids", "prompt_token_ids"):
         if not _id_list_ok(getattr(p, name, None), vocab_size, max_model_len):
             bad(name, f"must be at most {max_model_len} token ids in [0, {vocab_size})")

@@ -16,6 +16,7 @@ from services.openai_api.structured import structured_outputs_of
 from services.openai_api.tool_grammar import tool_constraint
 from services.openai_api.tool_prompt import CALL_CLOSE, ToolUse, template_messages, tool_use
 from services.request.errors import InvalidRequestError
+from services.request.limits import vocabulary_faults
 from services.request.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -98,24 +99,17 @@ def logit_bias_ids(req) -> dict[int, float] | None:
 
 
 def _check_vocab_fields(req, vocab: int) -> None:
-    for t in logit_bias_ids(req) or ():
-        if t >= vocab:
-            raise APIError(400, f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})", "logit_bias")
-    if req.top_k is not None and req.top_k > vocab:
-        raise APIError(400, f"top_k: {req.top_k} exceeds the vocabulary size {vocab}", "top_k")
-    for t in req.stop_token_ids or ():
-        if t >= vocab:
-            raise APIError(400, f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})", "stop_token_ids")
+    """The vocabulary rules the scheduler applies too (services.request.limits.vocabulary_faults)."""
+    faults = vocabulary_faults(vocab, -1 if req.top_k is None else req.top_k, req.stop_token_ids,
+                               logit_bias_ids(req))
+    if faults:
+        raise APIError.from_invalid(InvalidRequestError(*faults[0]))
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                     max_model_len: int) -> SamplingParams:
     """SamplingParams with OpenAI's defaults; raises APIError (400) naming the bad field."""
-    field = _prompt_field(req)
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.", field,
-                       "context_length_exceeded")
+    check_context_length(prompt_len, None, max_model_len, _prompt_field(req), "max_tokens")
     is_chat = isinstance(req, ChatCompletionRequest)
     max_tokens = req.max_tokens
     max_tokens_field = "max_tokens"
@@ -149,12 +143,22 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_len: 
         if is_chat and exc.field == "logprobs":
             name = "top_logprobs"
         raise APIError(400, f"{name}: {exc.message}", name) from None
-    if prompt_len + max_tokens > max_model_len:
+    check_context_length(prompt_len, max_tokens, max_model_len, _prompt_field(req), max_tokens_field)
+    return params
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_field: str,
+                         max_tokens_field: str) -> None:
+    """OpenAI's rule (and vLLM's server's): prompt and completion must fit the context, else a 400."""
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.", prompt_field,
+                       "context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} "
                        f"in the completion). Please reduce the length of the prompt or completion.",
                        max_tokens_field, "context_length_exceeded")
-    return params
 
 
 def prepare(req: CompletionRequest | ChatCompletionRequest, tokenizer: TokenizerLike,

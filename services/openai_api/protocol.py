@@ -14,31 +14,31 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# Ids are checked against the tokenizer's vocabulary later; this bound keeps them within 32 bits first.
-TOKEN_ID_LIMIT = 2**31
+from services.request import limits as L
+from services.request.limits import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
 MAX_PROMPTS = 1024  # prompts in one completions request (vLLM's limit)
 MAX_SEQUENCES = 1024  # n x prompts: sequences one request may queue
-MAX_N = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGPROBS = 20
 MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 256  # model, user, cache_salt, message names
 MAX_TOOLS = 128  # OpenAI's limit on functions per request
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
-MAX_LOGIT_BIAS = 300  # entries of logit_bias
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]
+
+
+def ranged(kind: type, bound: L.Range):
+    """A field type with the bound of services.request.limits (the one table every process reads)."""
+    return Annotated[kind, Field(**bound.pydantic())]
+
+
+TokenId = ranged(int, L.TOKEN_ID)
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=4 * 1024 * 1024)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+StopString = Annotated[str, Field(min_length=1, max_length=L.MAX_STOP_CHARS)]
+MaxTokens = ranged(int, L.MAX_TOKENS)
+Temperature = ranged(float, L.TEMPERATURE)
+TopP = ranged(float, L.TOP_P)
+TopLogprobs = ranged(int, L.LOGPROBS)
 
 
 class _Strict(BaseModel):
@@ -78,33 +78,33 @@ class StructuredOutputsField(_Strict):
 
 class _SamplingFields(_Strict):
     model: Name
-    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None  # vLLM extension; -1 or 0: off
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: ranged(int, L.TOP_K) | None = None  # vLLM extension; -1 or 0: off
+    n: ranged(int, L.N) = 1
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False  # vLLM extension
     skip_special_tokens: bool = True  # vLLM extension
-    seed: Int64 | None = None
+    seed: ranged(int, L.SEED) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
-    min_tokens: Count = 0  # vLLM extension
-    presence_penalty: Penalty | None = None  # OpenAI: over the tokens generated so far
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=100.0, allow_inf_nan=False)] | None = None  # vLLM's
+    min_tokens: ranged(int, L.MIN_TOKENS) = 0  # vLLM extension
+    presence_penalty: ranged(float, L.PENALTY) | None = None  # OpenAI: over the tokens generated so far
+    frequency_penalty: ranged(float, L.PENALTY) | None = None
+    repetition_penalty: ranged(float, L.REPETITION_PENALTY) | None = None  # vLLM's
     # Token id (a decimal string, OpenAI's form) -> bias added to its logit.
-    logit_bias: Annotated[dict[Annotated[str, Field(max_length=12)], Bias],
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=12)], ranged(float, L.LOGIT_BIAS)],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None  # vLLM extension
+    min_p: ranged(float, L.MIN_P) | None = None  # vLLM extension
     user: Name | None = None
     # Prefix-cache isolation (vLLM's field): blocks of different salts never match.
-    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=L.MAX_CACHE_SALT_CHARS)] | None = None
     # vLLM's beam-search extension: n beams, the n best returned (scored as transformers' generate does).
     use_beam_search: bool = False
-    length_penalty: Finite = 1.0
+    length_penalty: ranged(float, L.LENGTH_PENALTY) = 1.0
     early_stopping: bool | Literal["never"] = False
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     # (at most one of them; services.openai_api.structured reads them).
@@ -130,10 +130,10 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool = False  # the prompt's text before each choice's
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # >= n; the n of highest cumulative logprob
+    best_of: ranged(int, L.BEST_OF) | None = None  # >= n; the n of highest cumulative logprob
 
 
 class TextPart(_Strict):
@@ -198,9 +198,9 @@ class NamedToolChoice(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -18,14 +18,19 @@ from pydantic import ConfigDict, Field, ValidationError
 from services.openai_api.body import _refuse, reject_unsupported, validated
 from services.openai_api.errors import APIError, validation_error
 from services.openai_api.protocol import (
-    INT64_MAX,
     MAX_MESSAGES,
     MAX_TOOLS,
     ChatCompletionRequest,
     FunctionName,
+    MaxTokens,
     Name,
+    Temperature,
+    TokenId,
+    TopLogprobs,
+    TopP,
     _Strict,
 )
+from services.request.limits import INT64_MAX
 
 _Text = Annotated[str, Field(max_length=4 * 1024 * 1024)]
 _Id = Annotated[str, Field(min_length=1, max_length=256)]
@@ -98,9 +103,9 @@ class ResponsesRequest(_Strict):
     model: Name
     input: _Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: _Text | None = None
-    max_output_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     text: TextConfig | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
@@ -117,13 +122,13 @@ class ResponsesRequest(_Strict):
     service_tier: Name | None = None
     background: bool | None = None
     max_tool_calls: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     prompt_cache_key: Name | None = None
     safety_identifier: Name | None = None
     stream_options: dict[str, bool] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's, as on chat
     # Internal: the prompt the router already tokenized, as for chat.
-    prompt_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
 
 
 def parse_responses_request(body: dict) -> ResponsesRequest:

@@ -21,11 +21,13 @@ from services.contracts.internal_auth import HEADER, InternalToken
 from services.model_files.lora_files import DIGEST_HEADER
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
+from services.openai_api.prepared_wire import HEADER as PREPARED_HEADER
+from services.openai_api.prepared_wire import from_wire
 from services.openai_api.prompts import PreparedRequest, prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.routes import check_model
 from services.openai_api.streams import ClientGone, merge, until_disconnect
-from services.openai_api.tokenize import detokenize, parse_detokenize
+from services.openai_api.tokenize import detokenize, parse_detokenize, parse_tokenize, tokenize
 from services.openai_api.tool_grammar import compile_constraint
 from services.replica.accumulator import ResponseAccumulator
 from services.replica.lora_demand import OnDemandLoader
@@ -92,6 +94,13 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, "chatcmpl-")
 
+    async def tokenize(self, request: Request) -> Response:
+        self.check_caller(request)
+        req = parse_tokenize(await read_json_body(request, self.config.max_body_bytes))
+        if req.model is not None:
+            check_model(req.model, self.config.model_name)
+        return JSONResponse(await tokenize(req, self.tokenizer, self.config.max_model_len))
+
     async def detokenize(self, request: Request) -> Response:
         self.check_caller(request)
         req = parse_detokenize(await read_json_body(request, self.config.max_body_bytes))
@@ -112,9 +121,14 @@ class OpenAIServing:
     async def _serve(self, request: Request, model_cls, id_prefix: str) -> Response:
         self.check_caller(request)
         body = await read_json_body(request, self.config.max_body_bytes)
-        req = parse_request(model_cls, body)
-        lora_name = await self.resolve_lora(request, req.model)
-        prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
+        if request.headers.get(PREPARED_HEADER) == "1":  # a router's prepared request: checked, not re-derived
+            kind = "chat" if model_cls is ChatCompletionRequest else "completion"
+            prepared = from_wire(body, self.tokenizer.vocab_size, self.config.max_model_len, kind)
+            lora_name = await self.resolve_lora(request, prepared.model)
+        else:
+            req = parse_request(model_cls, body)
+            lora_name = await self.resolve_lora(request, req.model)
+            prepared = await prepare_async(req, self.tokenizer, self.config.max_model_len)
         return await self.serve_prepared(request, prepared, id_prefix, ChatFormat, lora_name)
 
     def resolve_model(self, requested: str) -> str | None:

@@ -6,20 +6,15 @@ a 400 and the offline API into a ValueError before anything is queued.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.request import limits as L
 from services.request.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from services.request.structured_outputs import StructuredOutputsParams
 
-
-# Below this a temperature only divides logits into overflow: such a request is greedy (vLLM does the same).
-MIN_TEMPERATURE = 1e-5
-_INT64 = (-(2**63), 2**63 - 1)
-_TOKEN_ID_LIMIT = 2**31
 
 
 @dataclass
@@ -53,16 +48,6 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
-    MAX_LOGPROBS = 20
-    MAX_STOP_STRINGS = 16
-    MAX_STOP_CHARS = 1024
-    MAX_STOP_TOKEN_IDS = 256
-    MAX_LOGIT_BIAS = 300
-    PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence and frequency penalties
-    # Multiplying or dividing a logit by more than this can only overflow float32, never sample better.
-    REPETITION_RANGE = (0.01, 100.0)
-    BIAS_RANGE = (-100.0, 100.0)
-
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -84,59 +69,46 @@ class SamplingParams:
     @property
     def effective_temperature(self) -> float:
         """What the engine samples with: 0 (greedy) for temperatures too small to divide logits by."""
-        return 0.0 if self.temperature < MIN_TEMPERATURE else float(self.temperature)
+        return L.effective_temperature(self.temperature)
 
     def validate(self) -> None:
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        if not is_int(self.n) or self.n < 1 or self.n > 128:
-            raise InvalidRequestError("n", f"must be an integer in [1, 128], got {self.n!r}")
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or not -1 <= self.top_k < _TOKEN_ID_LIMIT:
-            raise InvalidRequestError("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (not is_int(self.seed) or not _INT64[0] <= self.seed <= _INT64[1]):
-            raise InvalidRequestError("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64[1]):
-            raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= _INT64[1]:
-            raise InvalidRequestError("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        """Every bound from the one table (services.request.limits), then the rules between fields."""
+        L.N.check("n", self.n)
+        L.TEMPERATURE.check("temperature", self.temperature)
+        L.TOP_P.check("top_p", self.top_p)
+        L.TOP_K.check("top_k", self.top_k)
+        if self.seed is not None:
+            L.SEED.check("seed", self.seed)
+        if self.max_tokens is not None:
+            L.MAX_TOKENS.check("max_tokens", self.max_tokens)
+        L.MIN_TOKENS.check("min_tokens", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", "must not exceed max_tokens")
+        if len(self.stop_strings) > L.MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {L.MAX_STOP_STRINGS} stop strings")
         for s in self.stop_strings:
-            if not isinstance(s, str) or not s or len(s) > self.MAX_STOP_CHARS:
-                raise InvalidRequestError("stop", f"must be non-empty strings of at most {self.MAX_STOP_CHARS} "
+            if not isinstance(s, str) or not s or len(s) > L.MAX_STOP_CHARS:
+                raise InvalidRequestError("stop", f"must be non-empty strings of at most {L.MAX_STOP_CHARS} "
                                           f"characters, got {s!r:.80}")
-        if len(self.stop_strings) > self.MAX_STOP_STRINGS:
-            raise InvalidRequestError("stop", f"at most {self.MAX_STOP_STRINGS} stop strings")
-        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError("stop_token_ids", f"at most {self.MAX_STOP_TOKEN_IDS} stop token ids")
+        if len(self.stop_token_ids) > L.MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {L.MAX_STOP_TOKEN_IDS} stop token ids")
         for t in self.stop_token_ids:
-            if not is_int(t) or not 0 <= t < _TOKEN_ID_LIMIT:
-                raise InvalidRequestError("stop_token_ids", f"must be token ids (non-negative integers), got {t!r}")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
-        ):
-            raise InvalidRequestError("logprobs", f"must be an integer in [0, {self.MAX_LOGPROBS}]")
+            L.TOKEN_ID.check("stop_token_ids", t)
+        if self.logprobs is not None:
+            L.LOGPROBS.check("logprobs", self.logprobs)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
-                                            or len(self.cache_salt) > 256):
-            raise InvalidRequestError("cache_salt", "must be a non-empty string of at most 256 characters")
+                                            or len(self.cache_salt) > L.MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most "
+                                      f"{L.MAX_CACHE_SALT_CHARS} characters")
         if self.structured_outputs is not None:
             from services.request.structured_outputs import StructuredOutputsParams
 
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
-        self._validate_logits_processors(is_int, is_num)
+        self._validate_logits_processors()
         if not isinstance(self.use_beam_search, bool):
             raise InvalidRequestError("use_beam_search", f"must be a boolean, got {self.use_beam_search!r}")
-        if not is_num(self.length_penalty):
-            raise InvalidRequestError("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        L.LENGTH_PENALTY.check("length_penalty", self.length_penalty)
         if self.early_stopping not in (True, False, "never") or not isinstance(self.early_stopping, (bool, str)):
             raise InvalidRequestError("early_stopping", f'must be true, false or "never", got {self.early_stopping!r}')
         if self.use_beam_search:
@@ -163,29 +135,24 @@ class SamplingParams:
         if self.best_of not in (None, self.n):
             raise InvalidRequestError("best_of", "is not supported with beam search (n is the beam width)")
 
-    def _validate_logits_processors(self, is_int, is_num) -> None:
-        lo, hi = self.PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not is_num(v) or not lo <= v <= hi:
-                raise InvalidRequestError(name, f"must be a number in [{lo}, {hi}], got {v!r}")
-        lo, hi = self.REPETITION_RANGE
-        if not is_num(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
-            raise InvalidRequestError("repetition_penalty", f"must be a number in [{lo}, {hi}] (1: off), "
-                                      f"got {self.repetition_penalty!r}")
-        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+    def _validate_logits_processors(self) -> None:
+        L.PENALTY.check("presence_penalty", self.presence_penalty)
+        L.PENALTY.check("frequency_penalty", self.frequency_penalty)
+        L.REPETITION_PENALTY.check("repetition_penalty", self.repetition_penalty)
+        L.MIN_P.check("min_p", self.min_p)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequestError("logit_bias", "must map token ids to biases")
-            if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
-                raise InvalidRequestError("logit_bias", f"at most {self.MAX_LOGIT_BIAS} entries, got "
+            if len(self.logit_bias) > L.MAX_LOGIT_BIAS:
+                raise InvalidRequestError("logit_bias", f"at most {L.MAX_LOGIT_BIAS} entries, got "
                                           f"{len(self.logit_bias)}")
-            lo, hi = self.BIAS_RANGE
             for t, b in self.logit_bias.items():
-                if not is_int(t) or not 0 <= t < _TOKEN_ID_LIMIT:
+                if not L.TOKEN_ID.admits(t):
                     raise InvalidRequestError("logit_bias", f"keys must be token ids, got {t!r:.80}")
-                if not is_num(b) or not lo <= b <= hi:
-                    raise InvalidRequestError("logit_bias", f"token {t}: bias must be in [{lo}, {hi}], got {b!r:.80}")
-        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= 128):
-            raise InvalidRequestError("best_of", f"must be an integer in [n, 128] (n = {self.n}), got {self.best_of!r}")
+                if not L.LOGIT_BIAS.admits(b):
+                    raise InvalidRequestError("logit_bias", f"token {t}: bias must be {L.LOGIT_BIAS.describe()}, "
+                                              f"got {b!r:.80}")
+        if self.best_of is not None:
+            L.BEST_OF.check("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise InvalidRequestError("best_of", f"must be >= n ({self.n}), got {self.best_of}")

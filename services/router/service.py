@@ -21,6 +21,8 @@ from services.contracts.internal_auth import InternalToken
 from services.model_files.lora_files import DIGEST_HEADER
 from services.openai_api.body import parse_request, read_json_body
 from services.openai_api.errors import APIError
+from services.openai_api.prepared_wire import HEADER as PREPARED_HEADER
+from services.openai_api.prepared_wire import to_wire
 from services.openai_api.prompts import prepare_async
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.responses_protocol import (
@@ -153,8 +155,12 @@ class RouterService:
         else:
             prepared = await self._prepare(text, req, max_model_len)
         ids = prepared.prompts[0]
-        if len(prepared.prompts) == 1:
-            body["prompt_token_ids"] = ids  # a batch of prompts is tokenized by the scheduler
+        if isinstance(req, ResponsesRequest):
+            # The replica answers in the Responses shape, which it builds from the request itself.
+            body["prompt_token_ids"] = ids
+            payload, extra = json.dumps(body).encode(), {}
+        else:  # what the router prepared, so the replica does not derive it again (services.openai_api.prepared_wire)
+            payload, extra = to_wire(prepared), {PREPARED_HEADER: "1"}
         # An adapter's blocks are chained under its own root (its files' digest), as its replicas file them.
         seed = adapter_seed(identity.hash_seed, served.adapter_digest) if served.adapter else identity.hash_seed
         root = salted_seed(seed, req.cache_salt)
@@ -171,15 +177,16 @@ class RouterService:
             self._spawn(self.view.claim(chosen.info.replica_id, route.block_hashes, chosen.matched_blocks))
         # The adapter's digest goes along: a replica where it is not resident loads those weights (and no
         # others) from its adapter directory, or says it cannot and the proxy tries the next.
-        headers = {DIGEST_HEADER: served.adapter_digest} if served.adapter else None
-        return await self.proxy.forward(request, ranked, path, json.dumps(body).encode(), headers, served.adapter)
+        headers = {DIGEST_HEADER: served.adapter_digest, **extra} if served.adapter else extra
+        return await self.proxy.forward(request, ranked, path, payload, headers or None, served.adapter)
 
     async def _prepare(self, text: ModelText, req, max_model_len: int):
         """Prompt and sampling parameters, with the request's constraint compiled (a 400 if it cannot be)."""
         prepared = await prepare_async(req, text.tokenizer, max_model_len)
         if prepared.params.structured_outputs is not None:
-            # Compiled here too (on the compiler's threads, cached), so one that never can is a 400 before
-            # it costs a replica anything; the replica compiles it again with the model's vocabulary.
+            # Compiled here (on the compiler's threads, cached), so one that never can is a 400 before it costs
+            # a replica anything. The replica builds its own matcher from the same constraint (an llguidance
+            # matcher cannot cross a process), from its own cache after the first time.
             await compile_constraint(text.grammars, prepared.params.structured_outputs, prepared.tools)
         return prepared
 

@@ -21,6 +21,7 @@ from services.contracts.step_protocol import (
     SchedulerOutput,
 )
 from services.request.errors import InvalidRequestError
+from services.request.limits import check_vocabulary
 from services.request.sampling_params import SamplingParams
 from services.scheduler import beam_requests
 from services.scheduler.block_pool import KVEvent
@@ -98,14 +99,7 @@ class SchedulerCore:
         if n + 1 > usable:
             raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
         self.kv.check_request(n, params)
-        if params.top_k > vocab:
-            raise InvalidRequestError("top_k", f"{params.top_k} exceeds the vocabulary size {vocab}")
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise InvalidRequestError("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab})")
-        for t in params.logit_bias or ():
-            if t >= vocab:
-                raise InvalidRequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
+        check_vocabulary(vocab, params.top_k, params.stop_token_ids, params.logit_bias)
         if params.use_beam_search:
             beam_requests.check_capacity(n, params, self.max_model_len, self.info.block_size,
                                          self.info.num_kv_blocks - self.kv.watermark_blocks,

@@ -204,7 +204,7 @@ RESPONSES_MISTAKES = [
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice.name"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
-    ({"temperature": 3}, "temperature"),
+    ({"temperature": -1}, "temperature"),  # one range for every endpoint (services.request.limits)
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
         "a": {"$ref": "#/nowhere"}}}}}}, "text.format.schema"),

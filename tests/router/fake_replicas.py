@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.contracts.block_hash import model_hash_seed
+from services.openai_api.prepared_wire import HEADER as PREPARED_HEADER
 from services.registry.model import BlockDelta, ReplicaInfo, ReplicaLoad, ReplicaState
 from services.registry.redis_sink import RedisSink, connect
 from tests.conftest import AppServer
@@ -48,7 +49,11 @@ def replica_app(name: str, seen: list, headers: list) -> FastAPI:
                     yield "data: " + json.dumps({"replica": name, "i": i}) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        return {"replica": name, "prompt_token_ids": body.get("prompt_token_ids")}
+        # Chat and completions arrive as the router prepared them (services.openai_api.prepared_wire);
+        # /v1/responses as its body plus the token ids.
+        prepared = request.headers.get(PREPARED_HEADER) == "1"
+        ids = body["prompts"][0] if prepared else body.get("prompt_token_ids")
+        return {"replica": name, "prompt_token_ids": ids, "prepared": prepared}
 
     app.post("/v1/completions")(answer)
     app.post("/v1/chat/completions")(answer)

@@ -68,6 +68,7 @@ def test_prefix_affinity_token_ids_forwarded_and_two_routers_agree(tokenizer, re
         resp = chat(r1.url, "Where is parcel 1?")
         assert resp.status_code == 200 and resp.headers["x-pagedserve-replica"] == "b"
         assert resp.json()["prompt_token_ids"] == ids  # tokenized once, by the router
+        assert resp.json()["prepared"]  # and sent prepared: the replica derives nothing again
 
         # A prefix nobody caches yet: both routers pick the same replica, also before it publishes blocks.
         other = "You route container ships across the Pacific. " * 12

@@ -4,19 +4,12 @@
 shuffled, C concurrent clients) through the prefix router and through round-robin, each on a fresh
 cluster; prints the prompt tokens served from cache against what a perfect router would get, and each
 replica's share of requests against its fair share.
-
-`bench router-overhead`: the time the router adds between client and scheduler: the same request
-sent straight to a scheduler and through the router, many times, compared at the median. The
-scheduler is a stub that answers at once, so the difference is the router alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
-import shutil
 import statistics
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -135,103 +128,3 @@ def _report(results: list[Result], perfect: int, n: int, replicas: int) -> None:
 
 
 # -- router overhead ------------------------------------------------------------------------------
-def _serve_stub(port: int) -> None:
-    """A scheduler stand-in that answers at once, so timings measure the path, not a model."""
-    import uvicorn
-    from fastapi import FastAPI
-
-    app = FastAPI()
-    reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-    @app.post("/v1/chat/completions")
-    async def chat() -> dict:
-        return reply
-
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def _median_latency(url: str, body: dict, n: int) -> list[float]:
-    out = []
-    with httpx.Client(timeout=10) as client:
-        for _ in range(max(20, n // 10)):  # warm-up: connections, caches, JIT-free but lazy imports
-            client.post(url, json=body).raise_for_status()
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.post(url, json=body).raise_for_status()
-            out.append(time.perf_counter() - t0)
-    return out
-
-
-def run_overhead(args) -> int:
-    import asyncio
-
-    from services.commands.ports import free_port
-    from services.commands.up import Child
-    from services.contracts.block_hash import model_hash_seed
-    from services.model_files.model_source import DEFAULT_MODEL_NAME
-    from services.registry.model import ReplicaInfo, ReplicaLoad, ReplicaState
-    from services.registry.redis_sink import RedisSink, connect
-
-    redis_port, stub_port, router_port = free_port(), free_port(), free_port()
-    redis = Child("redis", [shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--save", "",
-                            "--appendonly", "no"], quiet=True)
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    router = Child("router", [sys.executable, "-m", "services.commands.cli", "router", "--host", "127.0.0.1", "--port",
-                              str(router_port), "--redis-url", redis_url, "--log-level", "warning"])
-    stub = multiprocessing.get_context("spawn").Process(target=_serve_stub, args=(stub_port,), daemon=True)
-    stub_url = f"http://127.0.0.1:{stub_port}"
-    try:
-        redis.start()
-        stub.start()
-        time.sleep(0.5)
-        info = ReplicaInfo("stub", stub_url, DEFAULT_MODEL_NAME, 16, 8192, 256,
-                           model_hash_seed(DEFAULT_MODEL_NAME, 16))
-
-        async def register():
-            client = connect(redis_url)
-            await RedisSink(client).write_state(ReplicaState(info, ReplicaLoad()), ttl=3600)
-            await client.aclose()
-
-        for _ in range(50):
-            try:
-                asyncio.run(register())
-                break
-            except Exception:
-                time.sleep(0.1)
-        router.start()
-        _wait_http(f"http://127.0.0.1:{router_port}/health")
-        _wait_http(stub_url + "/docs")
-        system = "You are a helpful assistant for a shipping company. " * 30
-        body = {"model": DEFAULT_MODEL_NAME, "max_tokens": 16,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where is my parcel?"}]}
-        direct = _median_latency(stub_url + "/v1/chat/completions", body, args.requests)
-        routed = _median_latency(f"http://127.0.0.1:{router_port}/v1/chat/completions", body, args.requests)
-    finally:
-        router.signal(15)
-        router.wait(10)
-        stub.terminate()
-        redis.signal(15)
-        redis.wait(10)
-    d, r = statistics.median(direct), statistics.median(routed)
-    p90 = lambda xs: sorted(xs)[int(len(xs) * 0.9)]
-    print(f"{args.requests} sequential chat requests (~{len(system) // 4} prompt tokens), loopback, keep-alive:")
-    print(f"  straight to the scheduler : median {d * 1e3:6.2f} ms, p90 {p90(direct) * 1e3:6.2f} ms")
-    print(f"  through the router        : median {r * 1e3:6.2f} ms, p90 {p90(routed) * 1e3:6.2f} ms")
-    print(f"  router overhead           : median {(r - d) * 1e3:6.2f} ms (target < 2 ms): "
-          f"{'PASS' if r - d < 0.002 else 'FAIL'}")
-    return 0
-
-
-def _wait_http(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not come up")
-        time.sleep(0.1)
