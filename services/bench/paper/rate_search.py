@@ -2,9 +2,11 @@
 
 A system's sustained rate lies between the highest rate it was seen to sustain ("passed") and the lowest
 rate above that it was seen not to ("failed"); both are runs, nothing is interpolated. The search starts
-at a given rate, doubles it after a pass or halves it after a failure until one of each is found (or the
-rate leaves [floor, ceiling]: the bracket then stays open on that side), then tries the geometric mean
-of the two until failed / passed <= `width` (1.10: within 10%). From a 2x bracket that takes three runs.
+at a given rate (a guess: the previous system's result) and moves up after a pass or down after a failure,
+first by sqrt(2) (a good guess is bracketed at once, narrowly) then by 2 per run, until one of each is
+found (or the rate leaves [floor, ceiling]: the bracket then stays open on that side); then it tries the
+geometric mean of the two ends until failed / passed <= `width` (1.10: within 10%): two runs from a
+sqrt(2) bracket, three from a 2x one.
 
 A ratio of two systems' sustained rates rests on both brackets: it lies in [a.passed / b.failed,
 a.failed / b.passed], and is reported as that interval, never as one number.
@@ -62,12 +64,12 @@ def find_sustained(sustains: Callable[[float], bool], start: float, floor: float
             b.failed = rate if b.failed is None else min(b.failed, rate)
         return ok
 
-    rate = _sig(start)
+    rate, step = _sig(start), math.sqrt(2)
     while True:
         ok = trial(rate)
         if b.passed is not None and b.failed is not None:
             break
-        rate = _sig(rate * 2 if ok else rate / 2)
+        rate, step = _sig(rate * step if ok else rate / step), 2.0
         if rate > ceiling or rate < floor:
             return b
     while b.failed / b.passed > width:

@@ -24,15 +24,18 @@ def test_the_bracket_holds_the_threshold_and_is_as_narrow_as_asked(threshold, st
         assert b.passed <= threshold < b.failed
         assert b.failed / b.passed <= width * 1.001  # four-digit rounding of the tried rates
     elif b.passed is None:
-        assert threshold < b.failed and b.failed / 2 < floor * 1.001
+        assert threshold < b.failed and b.failed / 2 < floor * 1.001 or b.failed / 1.4143 < floor
     else:
-        assert b.passed <= threshold and b.passed * 2 > ceiling / 1.001
+        assert b.passed <= threshold and (b.passed * 2 > ceiling / 1.001 or b.passed * 1.4143 > ceiling)
 
 
-def test_from_a_2x_bracket_three_bisections_reach_ten_percent():
-    b = find_sustained(lambda r: r <= 30.0, 20.0, 1.0, 1000.0, 1.10)
-    assert b.trials == [(20.0, True), (40.0, False), (28.28, True), (33.63, False), (30.84, False)]
-    assert b.passed == 28.28 and b.failed == 30.84 and b.width <= 1.10
+def test_a_good_guess_is_bracketed_by_sqrt2_and_a_far_one_by_doubling():
+    b = find_sustained(lambda r: r <= 30.0, 25.0, 1.0, 1000.0, 1.10)
+    assert b.trials == [(25.0, True), (35.36, False), (29.73, True), (32.42, False)]
+    assert b.passed == 29.73 and b.failed == 32.42 and b.width <= 1.10
+    far = find_sustained(lambda r: r <= 5.0, 30.0, 1.0, 1000.0, 1.10)
+    assert [r for r, _ in far.trials][:4] == [30.0, 21.21, 10.61, 5.305]  # down by sqrt(2), then halving
+    assert far.passed <= 5.0 < far.failed and far.width <= 1.10
 
 
 def test_ratios_are_the_interval_both_brackets_allow():
