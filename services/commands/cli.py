@@ -205,6 +205,16 @@ def _add_bench(sub) -> None:
                    help="runs of every size, in alternating order; each figure is their median")
     x.add_argument("--replay-seconds", type=float, default=1.0,
                    help="seconds of the fleet's index writes at the H200 rate, recorded then sent at once (0: skip)")
+    x.add_argument("--write-rate", type=float, default=100.0,
+                   help="block events per second per replica that writer processes file into the index while the "
+                        "router decides (0: decide on an idle index); the rate achieved is reported")
+    x.add_argument("--writers", type=int, default=1, help="writer processes sharing the fleet's writes")
+    x.add_argument("--special-decisions", type=int, default=500,
+                   help="session and LoRA decisions each (the paths that rank the whole fleet), after the others")
+    x.add_argument("--stride-decisions", type=int, default=0,
+                   help="decisions of the stride-cost workload (multi-turn sessions over shared documents quoted to "
+                        "different depths) per grid: the stride's index against one that files every block (0: skip)")
+    x.add_argument("--stride-replicas", default="10,100", help="fleet sizes of the stride-cost workload")
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--json", dest="json_path", default=None)
     x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")
