@@ -155,6 +155,9 @@ def _add_bench(sub) -> None:
     s.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
     s.add_argument("--structured", type=float, default=0.0,
                    help="share of requests (0-1) constrained to a JSON schema (response_format json_schema)")
+    s.add_argument("--structured-compare", type=int, default=0, metavar="N",
+                   help="N pairs of passes at each rate, every request unconstrained in one and held to a JSON schema "
+                        "in the other (alternating order): the TPOT ratio is constrained decoding's cost end to end")
     s.add_argument("--warmup", type=int, default=8, help="requests sent to each server before measuring")
     s.add_argument("--lora-adapters", default=None,
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: starts one `pagedserve "
