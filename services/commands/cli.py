@@ -12,6 +12,7 @@ import logging
 import sys
 
 from services.commands import settings as S
+from services.registry.index_grid import DENSE, STRIDE
 
 # subcommand -> (handler "module:function", options, default port or None, help)
 _SERVICES = {
@@ -218,6 +219,8 @@ def _add_bench(sub) -> None:
                    help="decisions of the stride-cost workload (multi-turn sessions over shared documents quoted to "
                         "different depths) per grid: the stride's index against one that files every block (0: skip)")
     x.add_argument("--stride-replicas", default="10,100", help="fleet sizes of the stride-cost workload")
+    x.add_argument("--stride-grids", default=f"{DENSE}:{STRIDE}",
+                   help="grids (dense:stride, comma-separated) the stride-cost workload compares with the exact index")
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--json", dest="json_path", default=None)
     x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")

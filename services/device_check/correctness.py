@@ -26,11 +26,12 @@ from services.device_check.step_driver import StepDriver, SyntheticSequence
 from services.device_check.workload import Plan
 
 # Largest |logit - reference logit| allowed in a row, as a fraction of the reference row's RMS, by the
-# tested engine's dtype. float32: the same math in another order. bfloat16 and float16: set from the same
-# comparison run on the CPU with the PyTorch reference backend in that dtype against the float32 reference
-# (`python -m services.device_check.logit_error`, docs/figures.md): the largest fraction seen there, on random
-# Llama-3.2-1B-shaped weights, times about 3 for the Triton kernels' other summation order.
-LOGIT_BOUND = {"float32": 1e-3, "float16": 0.03, "bfloat16": 0.2}
+# tested engine's dtype. float32: the same math in another order. bfloat16 and float16: 3x the largest
+# fraction the same comparison measured on the CPU with the PyTorch reference backend in that dtype against
+# the float32 reference, on random Llama-3.2-1B-shaped weights (`python -m services.device_check.logit_error`,
+# docs/figures.md: bfloat16 0.146, 2026-12-03), for the Triton kernels' other summation order. A real fault
+# (a wrong block, position or mask) gives rows unrelated to the reference's: several times the RMS.
+LOGIT_BOUND = {"float32": 1e-3, "float16": 0.06, "bfloat16": 0.45}
 
 
 @dataclass

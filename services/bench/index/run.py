@@ -36,7 +36,7 @@ from services.bench.index.redis_stats import command_stats, is_cluster, minus, n
 from services.bench.index.replay import run_replay
 from services.bench.index.report import FleetResult, median_result, plot, print_result
 from services.bench.index.router_process import RouterProcess
-from services.bench.index.stride_cost import print_stride, run_stride
+from services.bench.index.stride_cost import parse_grids, print_stride, run_stride
 from services.bench.index.write_load import FleetWriter
 from services.contracts.block_hash import hash_blocks
 from services.registry.index_grid import EXACT, GRID
@@ -230,10 +230,12 @@ def run(args) -> int:
                 print_result(r)
         stride = []
         for n in [int(x) for x in str(args.stride_replicas).split(",") if x.strip()] if args.stride_decisions else ():
-            pair = [asyncio.run(run_stride(url, n, args.stride_decisions, grid, label, args.seed, args.capacity))
-                    for grid, label in ((GRID, f"stride {GRID.stride}"), (EXACT, "exact"))]
-            print_stride(pair)
-            stride += pair
+            grids = [(g, f"dense {g.dense}, stride {g.stride}" + (" (the system's)" if g == GRID else ""))
+                     for g in parse_grids(args.stride_grids)] + [(EXACT, "exact")]
+            runs = [asyncio.run(run_stride(url, n, args.stride_decisions, grid, label, args.seed, args.capacity))
+                    for grid, label in grids]
+            print_stride(runs)
+            stride += runs
     finally:
         if cluster is not None:
             cluster.stop()

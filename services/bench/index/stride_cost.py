@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.bench.index.fleet_sim import BLOCK, SEED, FakeReplica, header_tokens, publish_all
-from services.bench.index.redis_stats import is_cluster
+from services.bench.index.redis_stats import command_stats, is_cluster
 from services.bench.index.router_process import RouterProcess
 from services.contracts.block_hash import hash_blocks
 from services.registry.index_grid import IndexGrid
@@ -46,6 +46,7 @@ class StrideResult:
     best_blocks: int  # the most any replica held of each prompt at its decision, summed
     prompt_blocks: int
     short_decisions: int  # decisions whose replica held fewer blocks than the best one did
+    index_writes: int = 0  # ZADD + ZREM the index took over the run (the fleet's publishes and the claims)
 
     @property
     def of_best(self) -> float:
@@ -93,6 +94,7 @@ async def run_stride(url: str, n: int, decisions: int, grid: IndexGrid, label: s
     pubs = [ReplicaPublisher(sink, info, f, heartbeat_interval=3600, grid=grid)
             for info, f in zip(infos, fakes, strict=True)]
     await publish_all(pubs)
+    writes0 = await _writes(client)
     router = RouterProcess(url, infos[0].identity, BLOCK, grid)
     cached = best = prompt_blocks = short = 0
     window: deque[tuple[int, int]] = deque()
@@ -119,21 +121,39 @@ async def run_stride(url: str, n: int, decisions: int, grid: IndexGrid, label: s
             if k % 10 == 9:  # the publishers' 20 ms batches, as bench index's own loop
                 await publish_all([pubs[j] for j in sorted(touched)])
                 touched.clear()
+        await publish_all([pubs[j] for j in sorted(touched)])
+        writes = await _writes(client) - writes0
     finally:
         router.close()
         await client.aclose()
-    return StrideResult(label, n, len(turns), cached, best, prompt_blocks, short)
+    return StrideResult(label, n, len(turns), cached, best, prompt_blocks, short, writes)
+
+
+async def _writes(client) -> int:
+    stats = await command_stats(client)
+    return sum(stats.get(k, (0, 0.0))[0] for k in ("zadd", "zrem"))
+
+
+def parse_grids(text: str) -> list[IndexGrid]:
+    """'8:8,32:8' -> the grids dense 8 stride 8, dense 32 stride 8."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        dense, _, stride = item.partition(":")
+        out.append(IndexGrid(int(dense), int(stride or 1)))
+    return out
 
 
 def print_stride(results: list[StrideResult]) -> None:
-    """Each grid's line, then the stride's cost against the exact index (results: a stride, then exact)."""
+    """Each grid's line, then each grid's cost against the exact index (the last result)."""
     for r in results:
         print(f"  stride cost, {r.replicas} replicas, {r.grid}: {r.cached_blocks:,} of {r.prompt_blocks:,} prompt "
               f"blocks from cache, {r.of_best:.1%} of the best any replica held; {r.short_decisions} of "
-              f"{r.decisions} decisions chose a replica holding less than the best", flush=True)
-    if len(results) == 2:
-        s, e = results
-        print(f"  the stride's cost at {s.replicas} replicas: {1 - s.cached_blocks / max(1, e.cached_blocks):.2%} of "
-              f"the exact index's cached blocks; blocks computed (not cached) {s.prompt_blocks - s.cached_blocks:,} "
-              f"against {e.prompt_blocks - e.cached_blocks:,} "
-              f"({(s.prompt_blocks - s.cached_blocks) / max(1, e.prompt_blocks - e.cached_blocks):.3f}x)", flush=True)
+              f"{r.decisions} decisions chose a replica holding less than the best; {r.index_writes:,} index "
+              f"writes", flush=True)
+    e = results[-1]
+    for s in results[:-1]:
+        print(f"  {s.grid} at {s.replicas} replicas against the exact index: "
+              f"{1 - s.cached_blocks / max(1, e.cached_blocks):.2%} fewer cached blocks; blocks computed (not "
+              f"cached) {s.prompt_blocks - s.cached_blocks:,} against {e.prompt_blocks - e.cached_blocks:,} "
+              f"({(s.prompt_blocks - s.cached_blocks) / max(1, e.prompt_blocks - e.cached_blocks):.3f}x); index "
+              f"writes {s.index_writes / max(1, e.index_writes):.2f}x the exact index's", flush=True)

@@ -63,7 +63,8 @@ def test_the_command_runs_its_own_redis_and_writes_the_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     (row,) = report["fleet"]
     stride, exact = report["stride_cost"]
-    assert (stride["grid"], exact["grid"]) == ("stride 8", "exact") and stride["decisions"] == exact["decisions"] == 60
+    assert (stride["grid"], exact["grid"]) == ("dense 8, stride 8 (the system's)", "exact")
+    assert stride["decisions"] == exact["decisions"] == 60 and stride["index_writes"] < exact["index_writes"]
     assert 0 < stride["cached_blocks"] <= stride["best_blocks"] <= stride["prompt_blocks"]
     assert len(row["runs_decision_p99_ms"]) == 2 and len(row["runs_redis_us_per_decision"]) == 2
     for key in ("replicas", "decision_p50_ms", "decision_p99_ms", "redis_us_per_decision", "router_us_per_decision",
@@ -72,7 +73,7 @@ def test_the_command_runs_its_own_redis_and_writes_the_json(tmp_path, capsys):
         assert key in row
     printed = capsys.readouterr().out
     assert "H200 rate, replayed" in printed and "medians of 2 passes" in printed
-    assert "the stride's cost at 3 replicas" in printed
+    assert "(the system's) at 3 replicas against the exact index" in printed
 
 
 def test_the_bench_router_exits_when_the_bench_goes_away(redis_server):
