@@ -29,8 +29,9 @@ from services.device_check.workload import Plan
 # tested engine's dtype. float32: the same math in another order. bfloat16 and float16: 3x the largest
 # fraction the same comparison measured on the CPU with the PyTorch reference backend in that dtype against
 # the float32 reference, on random Llama-3.2-1B-shaped weights (`python -m services.device_check.logit_error`,
-# docs/figures.md: bfloat16 0.146, 2026-12-03), for the Triton kernels' other summation order. A real fault
-# (a wrong block, position or mask) gives rows unrelated to the reference's: several times the RMS.
+# docs/figures.md: bfloat16 0.146, float16 0.0172, 2026-12-03), for the Triton kernels' other summation
+# order. A real fault (a wrong block, position or mask) gives rows unrelated to the reference's: several
+# times the RMS.
 LOGIT_BOUND = {"float32": 1e-3, "float16": 0.06, "bfloat16": 0.45}
 
 

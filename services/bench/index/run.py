@@ -116,10 +116,10 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
         writes = writer.stop() if writer is not None else None
         writer = None
         # Session and LoRA decisions: the paths that rank the whole fleet (RouterService._pick), timed alike.
-        for k in range(args.special_decisions):
+        for k in range(args.special_decisions):  # each request ends before the next: load stays as it was
             hashes = prompts[k % len(prompts)]
-            router.decide(hashes, session=f"session-{k % 97}")
-            router.decide(hashes, adapter=ADAPTER)
+            router.finished(router.decide(hashes, session=f"session-{k % 97}")[0])
+            router.finished(router.decide(hashes, adapter=ADAPTER)[0])
         totals = router.totals()
     finally:
         if writer is not None:

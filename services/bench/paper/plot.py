@@ -63,17 +63,21 @@ def plot(report: dict, path: str) -> None:
 
     ax = axes[1][1]
     share = report.get("sharing", {})
-    widths = ["2", "4", "6"]
-    for i, (key, label) in enumerate((("parallel_sampling", "parallel sampling (n)"),
-                                      ("beam_search", "beam search (width)"))):
-        values = [share.get(key, {}).get(k, 0.0) for k in widths]
-        ax.bar([j + 0.4 * i for j in range(len(widths))], values, width=0.4, label=label)
-    ax.set_xticks([j + 0.2 for j in range(len(widths))], widths)
-    ax.set_xlabel("samples or beams per request")
-    ax.set_ylabel("% of blocks saved by sharing")
-    ax.set_title(f"memory saved by sharing ({share.get('workload', '-')})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
+    if share:
+        widths = ["2", "4", "6"]
+        for i, (key, label) in enumerate((("parallel_sampling", "parallel sampling (n)"),
+                                          ("beam_search", "beam search (width)"))):
+            values = [share.get(key, {}).get(k, 0.0) for k in widths]
+            ax.bar([j + 0.4 * i for j in range(len(widths))], values, width=0.4, label=label)
+        ax.set_xticks([j + 0.2 for j in range(len(widths))], widths)
+        ax.set_xlabel("samples or beams per request")
+        ax.set_ylabel("% of blocks saved by sharing")
+        ax.set_title(f"memory saved by sharing ({share['workload']}, counted)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    else:
+        ax.text(0.5, 0.5, "sharing not run (--sharing-requests 0)", ha="center", va="center")
+        ax.set_axis_off()
     fig.suptitle(f"pagedserve bench paper, {report['clock']['name']}\n"
                  f"steps run: {report['model']} ({report['dtype']}) on {report['machine']}", fontsize=9)
     fig.tight_layout()
