@@ -11,6 +11,7 @@ import argparse
 
 from services.commands import flag_values as V
 from services.commands.flag_values import FlagError, flag
+from services.registry.index_grid import DENSE, STRIDE
 
 
 def add_bench(sub) -> None:
@@ -86,6 +87,9 @@ def add_bench(sub) -> None:
     s.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
     s.add_argument("--structured", type=V.number(0, high=1), default=0.0,
                    help="share of requests (0-1) constrained to a JSON schema (response_format json_schema)")
+    s.add_argument("--structured-compare", type=V.integer(0), default=0, metavar="N",
+                   help="N pairs of passes at each rate, every request unconstrained in one and held to a JSON schema "
+                        "in the other (alternating order): the TPOT ratio is constrained decoding's cost end to end")
     s.add_argument("--warmup", type=V.integer(0), default=8, help="requests sent to each server before measuring")
     s.add_argument("--lora-adapters", default=None,
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: starts one `pagedserve "
@@ -136,6 +140,18 @@ def add_bench(sub) -> None:
                    help="runs of every size, in alternating order; each figure is their median")
     x.add_argument("--replay-seconds", type=V.number(0), default=1.0,
                    help="seconds of the fleet's index writes at the H200 rate, recorded then sent at once (0: skip)")
+    x.add_argument("--write-rate", type=V.number(0), default=100.0,
+                   help="block events per second per replica that writer processes file into the index while the "
+                        "router decides (0: decide on an idle index); the rate achieved is reported")
+    x.add_argument("--writers", type=V.integer(1), default=1, help="writer processes sharing the fleet's writes")
+    x.add_argument("--special-decisions", type=V.integer(0), default=500,
+                   help="session and LoRA decisions each (the paths that rank the whole fleet), after the others")
+    x.add_argument("--stride-decisions", type=V.integer(0), default=0,
+                   help="decisions of the stride-cost workload (multi-turn sessions over shared documents quoted to "
+                        "different depths) per grid: the stride's index against one that files every block (0: skip)")
+    x.add_argument("--stride-replicas", default="10,100", help="fleet sizes of the stride-cost workload")
+    x.add_argument("--stride-grids", default=f"{DENSE}:{STRIDE}",
+                   help="grids (dense:stride, comma-separated) the stride-cost workload compares with the exact index")
     x.add_argument("--seed", type=V.integer(), default=0)
     x.add_argument("--json", dest="json_path", default=None)
     x.add_argument("--plot", default=None, help="PNG of cost per decision against fleet size")
@@ -153,20 +169,26 @@ def add_bench(sub) -> None:
 def _add_bench_paper(bsub) -> None:
     q = bsub.add_parser("paper", help="the Orca and vLLM papers' baselines (request-level, Orca-Max/Pow2/Oracle) "
                         "against pagedserve on one engine: KV memory breakdown, latency vs rate, sharing savings")
-    q.add_argument("--model", default=None)
-    q.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    q.add_argument("--model", default=None,
+                   help="the engine's model (default: a 2-layer random Llama built once into the cache, in float32: "
+                        "the comparison is of scheduling and KV placement, and SmolLM2's CPU steps would take hours)")
+    q.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default: float32 for the default model, else bfloat16")
     q.add_argument("--workloads", default="sharegpt,alpaca", help="comma-separated: sharegpt, alpaca")
     q.add_argument("--systems", default="pagedserve,orca-oracle,orca-pow2,orca-max,request-level",
-                   help="comma-separated serving systems (pagedserve first: the bound and rates derive from it)")
+                   help="comma-separated serving systems (pagedserve first: the bound and trace length derive from it)")
     q.add_argument("--scale-sharegpt", type=V.number(0, above=True), default=0.125,
                    help="ShareGPT lengths, maximum sequence length and pool times this")
     q.add_argument("--scale-alpaca", type=V.number(0, above=True), default=0.5, help="the same for Alpaca")
-    q.add_argument("--num-requests", type=V.integer(1), default=200,
-                   help="requests per rate: enough that the queue, not the trace, decides how full the pool gets")
-    q.add_argument("--fractions", default="0.125,0.25,0.5,1,2,4",
-                   help="swept rates, as fractions of pagedserve's measured capacity (all requests at once)")
+    q.add_argument("--trace-requests", type=V.integer(1), default=200,
+                   help="every trace lasts as long as pagedserve takes to serve this many requests all at once (so "
+                        "a rate r gets r x that many seconds of requests)")
+    q.add_argument("--min-requests", type=V.integer(1), default=50,
+                   help="fewest requests of a trace (a low rate runs longer)")
+    q.add_argument("--bracket", type=V.number(1, above=True), default=1.10,
+                   help="bisect each system's sustained rate until failed / passed is at most this")
     q.add_argument("--bound-factor", type=V.number(0, above=True), default=2.0,
-                   help="latency bound: this times pagedserve's normalized latency at the lowest rate")
+                   help="latency bound: this times pagedserve's normalized latency at 1/8 of its capacity")
     q.add_argument("--sharing-requests", type=V.integer(0), default=8, help="requests of the sharing runs (0: skip)")
     q.add_argument("--sharing-pool-blocks", type=V.integer(1), default=640)
     q.add_argument("--block-size", type=V.integer(1, 1024), default=16)
@@ -174,8 +196,8 @@ def _add_bench_paper(bsub) -> None:
     q.add_argument("--max-num-batched-tokens", type=V.integer(1), default=2048)
     q.add_argument("--seed", type=V.integer(), default=0)
     q.add_argument("--step-cost", default="cpu", choices=("cpu", "a100-opt13b"),
-                   help="what a step costs on the virtual clock: measured here, or modeled for the paper's OPT-13B on "
-                        "an A100 (the real engine still runs every step)")
+                   help="what a step costs on the virtual clock: measured here (CPU time), or modeled for the paper's "
+                        "OPT-13B on an A100 (an uncalibrated roofline; the real engine still runs every step)")
     q.add_argument("--threads", type=V.integer(0), default=1,
                    help="torch threads; at 1 each step is timed on CPU time, which other processes' load does not "
                         "inflate (0: torch's default, timed on wall time)")

@@ -45,6 +45,8 @@ ROUTER_REQUESTS_HELD = "pagedserve_router_requests_held"
 ROUTER_PREFIX_MATCH_RATIO = "pagedserve_router_prefix_match_ratio"  # histogram: share of prompt cached
 ROUTER_HEALTHY_REPLICAS = "pagedserve_router_healthy_replicas"  # gauge
 ROUTER_ROUTING_DECISIONS = "pagedserve_router_routing_decisions_total"  # counter, labels policy, replica
+# counter: index reads not made (Redis unreachable, no connection free, skipped while down): decisions on load only
+ROUTER_INDEX_FALLBACKS = "pagedserve_router_index_fallbacks_total"
 
 # The per-pod metric the HorizontalPodAutoscaler averages (through the Prometheus adapter).
 AUTOSCALING_METRIC = REQUESTS_WAITING
@@ -59,7 +61,7 @@ ROUTER_METRICS = frozenset({
     ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_MODEL_QUEUE_DEPTH,
     ROUTER_REQUESTS_HELD,
     ROUTER_PREFIX_MATCH_RATIO,
-    ROUTER_HEALTHY_REPLICAS, ROUTER_ROUTING_DECISIONS,
+    ROUTER_HEALTHY_REPLICAS, ROUTER_ROUTING_DECISIONS, ROUTER_INDEX_FALLBACKS,
 })
 HISTOGRAMS = frozenset({TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, ROUTER_PREFIX_MATCH_RATIO})
 ALL_METRICS = SCHEDULER_METRICS | ROUTER_METRICS

@@ -22,6 +22,10 @@ what it measured. Sections:
    memory and the KV blocks allocated; with `--tensor-parallel-size N`, the same engine split over N
    GPUs instead (services/device_check/tensor_parallel.py).
 
+The run passes only if every planned section ran and passed (services/device_check/report.py): a skipped,
+timed-out or missing section fails it, and `--force-skip SECTION` proves that (make test runs it). Time
+limits are checked between sections and measurements, never by interrupting a graph capture or a compile.
+
 `--device cpu --dry-run` runs the same code at tiny shapes in float32 and float16 through Triton's
 interpreter and a fake graph capture (make test does, twice: once through `make gpu-check-offline` with
 an interpreter holding only torch and Triton). It lives in services.bench, not kernels, because it
@@ -37,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from services.device_check.compile_watch import CompileWatch
 from services.device_check.report import Report, default_table_path
 from services.device_check.workload import DRY_PLAN, GPU_PLAN, Plan, decode_tokens_per_s, prefill_tokens_per_s
 
@@ -131,11 +136,7 @@ def forward_host_syncs(runner, plan: Plan) -> str:
 def check_engine(report: Report, plan: Plan, device, name: str, hf_cfg: dict) -> None:
     import torch
 
-    from kernels.triton_variants import compiled_counts
-    from services.device_check.report import describe_error
     from services.engine.config import EngineConfig
-    from services.engine.cuda_graphs import FakeGraphCapture
-    from services.engine.model_runner import ModelRunner
 
     need = max(plan.batches) * -(-(plan.prompt_len + plan.warmup_steps + plan.decode_steps + 1) // 16)
     config = EngineConfig(dtype=plan.dtype, device=device.type, block_size=16, num_kv_blocks=need + 64,
@@ -144,19 +145,34 @@ def check_engine(report: Report, plan: Plan, device, name: str, hf_cfg: dict) ->
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    # Triton's public post-compile hook, before the engine starts (its warm-up compiles are start-up's);
+    # a Triton without it fails this section here, loudly.
+    watch = CompileWatch().start()
+    try:
+        _engine_rows(report, plan, device, name, config, hf_cfg, watch)
+    finally:
+        watch.stop()
+
+
+def _engine_rows(report: Report, plan: Plan, device, name: str, config, hf_cfg: dict, watch: CompileWatch) -> None:
+    import torch
+
+    from services.engine.cuda_graphs import FakeGraphCapture
+    from services.engine.model_runner import ModelRunner
+
     started = time.monotonic()
     runner = ModelRunner(config, random_weights=hf_cfg)
-    report.add(name, "start-up (random weights, KV cache, warm-up)", f"{time.monotonic() - started:.1f} s")
-    compiled = compiled_counts()
+    report.add(name, "start-up (random weights, KV cache, warm-up)", f"{time.monotonic() - started:.1f} s",
+               f"{watch.total()} Triton compiles")
+    mark = watch.counts.copy()
     late: dict[str, int] = {}
 
     def count_late_compiles() -> None:
-        # Variants compiled since the last count: on a serving engine, compiles while serving.
-        now = compiled_counts()
-        for k, n in now.items():
-            if n > compiled[k]:
-                late[k] = late.get(k, 0) + n - compiled[k]
-        compiled.update(now)
+        # Variants compiled since the last mark: on a serving engine, compiles while serving.
+        nonlocal mark
+        for k, n in watch.since(mark).items():
+            late[k] = late.get(k, 0) + n
+        mark = watch.counts.copy()
 
     eager = {}
     for batch in plan.batches:
@@ -178,10 +194,12 @@ def check_engine(report: Report, plan: Plan, device, name: str, hf_cfg: dict) ->
         try:
             runner.graphs = runner.capture_decode_graphs(None if device.type == "cuda" else FakeGraphCapture())
         except Exception as e:  # a capture failure is a finding to report; the memory rows still follow
+            from services.device_check.report import describe_error
+
             report.add(name, "CUDA graph capture", "FAILED", describe_error(e))
             report.fail(f"{name}: graph capture: {describe_error(e)}")
         else:
-            compiled.update(compiled_counts())  # capture is part of start-up on a serving engine
+            mark = watch.counts.copy()  # capture is part of start-up on a serving engine
             kind = "CUDA graphs" if device.type == "cuda" else "fake graphs"
             report.add(name, f"{kind} captured, sizes 1..{max(plan.batches)}", f"{time.monotonic() - started:.1f} s",
                        f"{len(runner.graphs.sizes)} batch sizes")
@@ -194,9 +212,12 @@ def check_engine(report: Report, plan: Plan, device, name: str, hf_cfg: dict) ->
             count_late_compiles()
     if device.type == "cuda":
         report.add(name, "Triton compiles after start-up", str(sum(late.values())),
-                   ", ".join(f"{k} {n}" for k, n in late.items()) or "every variant was warmed", **late)
+                   (", ".join(f"{k} {n}" for k, n in late.items()) or "every variant was warmed")
+                   + " (counted by triton.knobs.runtime.jit_post_compile_hook)", **late)
         if late:
             report.fail(f"{name}: Triton compiled while serving ({late})")
+    else:
+        report.add(name, "Triton compiles after start-up", "-", "not counted: the interpreter compiles nothing")
     per_block = runner.arena[:, :, 0].numel() * runner.arena.element_size()
     note = f"{runner.num_kv_blocks * per_block / 2**30:.2f} GiB, {per_block / 2**20:.2f} MiB a block"
     if device.type == "cuda":
@@ -231,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                         "$OUT/gpu_check.md when OUT is set, else .bench/gpu_check.md)")
     parser.add_argument("--json", type=Path, help="also write every row to this file at the end (default with "
                         "$OUT set: $OUT/gpu_check.json)")
+    parser.add_argument("--force-skip", default="", help="comma-separated sections to skip without running them "
+                        "(to see a skipped section fail the run), e.g. 'kernels float16' or tiny-llama")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N > 1: the engine sections run one engine split over N GPUs of this machine")
     args = parser.parse_args(argv)
@@ -259,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
-    report = Report(args.budget_s or plan.run_budget_s, args.table or default_table_path("gpu_check.md"))
+    report = Report(args.budget_s or plan.run_budget_s, args.table or default_table_path("gpu_check.md"),
+                    force_skip=frozenset(x.strip() for x in args.force_skip.split(",") if x.strip()))
     report.note(f"{where}; torch {torch.__version__}, triton {triton.__version__}, Python "
                 f"{sys.version.split()[0]}; engine dtype {plan.dtype}")
     budgets = {f"kernels {d}": plan.budget(f"kernels {d}") for d in plan.kernel_dtypes} if "kernels" in sections else {}
@@ -271,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         budgets.update({m: plan.budget("tp" if args.tensor_parallel_size > 1 else m) for m in wanted})
     report.note("time budgets: " + ", ".join(f"{k} {v:.0f} s" for k, v in budgets.items())
                 + f"; the run {report.deadline - report.started:.0f} s")
+    tp = args.tensor_parallel_size
+    report.plan([k if k not in wanted or tp == 1 else f"{k} TP={tp}" for k in budgets])
+    if args.sections:
+        report.note(f"PARTIAL run: only the sections asked for ({args.sections}); a full check runs them all")
+    unknown = report.force_skip - set(report.planned)
+    if unknown:
+        parser.error(f"--force-skip names no planned section: {', '.join(sorted(unknown))}")
     if args.dry_run:
         report.add("dry run", "tiny shapes: the figures show the code ran", "-", "not how fast anything is")
     for dtype_name in plan.kernel_dtypes if "kernels" in sections else ():
@@ -300,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or (default_table_path("gpu_check.json") if os.environ.get("OUT") else None)
     if json_path is not None:
         report.write_json(json_path, device=where, plan=plan.dtype)
-    print("FAILURES: " + "; ".join(report.failures) if report.failures else "all checks passed")
-    return 1 if report.failures else 0
+    return 0 if report.finish() else 1
 
 
 if __name__ == "__main__":

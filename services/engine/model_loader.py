@@ -124,6 +124,9 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     return LlamaModel(config, weights, device, dtype, attention_backend, group, shard), hf_cfg
 
 
+RANDOM_DRAW_DTYPE = "_random_draw_dtype"
+
+
 def random_llama(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
                  seed: int = 0, group: RankGroup | None = None) -> LlamaModel:
     """A Llama of `hf_cfg`'s shapes with random weights drawn on the device (no download, no disk); with
@@ -131,9 +134,13 @@ def random_llama(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attenti
     c = LlamaConfig.from_hf(hf_cfg)
     shard = plan_shard(c, group)
     gen = torch.Generator(device=device).manual_seed(seed + (0 if shard is None else shard.rank))
+    # RANDOM_DRAW_DTYPE in the config: draw the values in that dtype, then hold them in `dtype`. A float32
+    # model drawn in bfloat16 holds exactly a bfloat16 model's weights (the GPU check's float32 reference).
+    draw_name = hf_cfg.get(RANDOM_DRAW_DTYPE)
+    draw = getattr(torch, draw_name) if draw_name else dtype
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(std)
+        return torch.randn(shape, generator=gen, dtype=draw, device=device).mul_(std).to(dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)

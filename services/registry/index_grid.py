@@ -12,17 +12,40 @@ deepest filed position a replica holds still tells its cached prefix: exactly fo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 DENSE = 8
 STRIDE = 8
 
 
+@dataclass(frozen=True)
+class IndexGrid:
+    """Every position below `dense`, then every `stride`-th. The publisher and the router must use the same
+    one; GRID is the system's. `IndexGrid(dense=EXACT_DENSE, stride=1)` files every block (what `bench
+    index` compares the stride's routing against)."""
+
+    dense: int = DENSE
+    stride: int = STRIDE
+
+    def filed(self, position: int) -> bool:
+        return position < self.dense or position % self.stride == self.stride - 1
+
+    def filed_positions(self, start: int, end: int) -> list[int]:
+        """The filed positions p with start <= p < end, ascending."""
+        dense = list(range(max(0, start), min(end, self.dense)))
+        first = max(start, self.dense)
+        first += (self.stride - 1 - first % self.stride) % self.stride
+        return dense + [p for p in range(first, end, self.stride) if p >= self.dense]
+
+
+GRID = IndexGrid()
+EXACT = IndexGrid(dense=1 << 20, stride=1)
+
+
 def filed(position: int) -> bool:
-    return position < DENSE or position % STRIDE == STRIDE - 1
+    return GRID.filed(position)
 
 
 def filed_positions(start: int, end: int) -> list[int]:
     """The filed positions p with start <= p < end, ascending."""
-    dense = list(range(max(0, start), min(end, DENSE)))
-    first = max(start, DENSE)
-    first += (STRIDE - 1 - first % STRIDE) % STRIDE
-    return dense + [p for p in range(first, end, STRIDE) if p >= DENSE]
+    return GRID.filed_positions(start, end)

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Protocol
 
-from services.registry.index_grid import filed
+from services.registry.index_grid import GRID, IndexGrid
 from services.registry.model import BlockDelta, RegistrySink, ReplicaInfo, ReplicaLoad, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,12 @@ class ReplicaSource(Protocol):
 
 class ReplicaPublisher:
     def __init__(self, sink: RegistrySink, info: ReplicaInfo, source: ReplicaSource,
-                 heartbeat_interval: float = 1.0, event_interval: float = 0.02, tokenizer_bundle: bytes | None = None):
+                 heartbeat_interval: float = 1.0, event_interval: float = 0.02, tokenizer_bundle: bytes | None = None,
+                 grid: IndexGrid = GRID):
         """`tokenizer_bundle`: the replica's tokenizer files (services.model_files.tokenizer.read_bundle),
-        published under info.tokenizer_digest so routers need no copy of the model."""
+        published under info.tokenizer_digest so routers need no copy of the model. `grid`: the positions
+        filed (the routers' must be the same)."""
+        self.grid = grid
         self.sink = sink
         self.tokenizer_bundle = tokenizer_bundle
         self.info = info
@@ -111,7 +114,7 @@ class ReplicaPublisher:
             log.warning("could not deregister replica %s: %s", self.info.replica_id, exc)
 
     def _absorb(self, events) -> None:
-        mirror, delta = self._mirror, self._delta
+        mirror, delta, filed = self._mirror, self._delta, self.grid.filed
         for ev in events:
             stored = ev.kind == "stored"
             # Block events are unique (a pool registers or evicts a hash once): a count suffices.

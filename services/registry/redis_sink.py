@@ -43,6 +43,10 @@ class RedisSink:
         self._bundles: dict[str, bytes] = {}  # tokenizer digest -> bundle, re-written if Redis lost it
         self._written: dict[str, dict] = {}  # replica id -> the info of its last record written (as a dict)
 
+    def generation_of(self, replica_id: str) -> int | None:
+        """The generation the replica's blocks are filed under now (None: nothing filed yet)."""
+        return self._generation.get(replica_id)
+
     async def write_tokenizer(self, digest: str, bundle: bytes) -> None:
         """Publish a tokenizer bundle under its digest (write_state keeps it alive while records name it)."""
         self._bundles[digest] = bundle

@@ -26,6 +26,10 @@ class RouterMetrics:
         self.healthy_replicas = Gauge(M.ROUTER_HEALTHY_REPLICAS, "replicas routable now", registry=r)
         self.decisions = Counter(M.ROUTER_ROUTING_DECISIONS, "routing decisions by policy and replica",
                                  ["policy", "replica"], registry=r)
+        self.index_fallbacks = Counter(M.ROUTER_INDEX_FALLBACKS, "prefix index reads not made (Redis "
+                                       "unreachable, no connection free, or skipped while it is down): those "
+                                       "decisions went on load only",
+                                       registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -10,17 +10,25 @@ from one key, and the search goes on to the next shallower prefix that more repl
 depths, so a busy holder of the longest prefix has exact runners-up); dead replicas and superseded
 generations among the holders are skipped by the router. Work per decision is O(prompt blocks) at worst
 and never depends on the number of replicas; replica records and load come from ReplicaRecords, in memory.
+
+A burst must not empty the client's connection pool: every decision's block reads and every claim hold
+one of the pool's connections at a time, and a burst of hundreds of decisions at once (each waiting on a
+busy event loop for its reply) asked for more than the pool holds, so reads failed with "No connection
+available" and those requests went on load only. Decisions and claims now take a slot first (the pool's
+size less RESERVED_CONNECTIONS, which the records' refresh keeps): past that they wait their turn, at
+most SLOT_WAIT seconds (IndexBusy then: that decision alone goes on load only; Redis is not down).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 from redis.asyncio import Redis
 
 from services.registry import keys
-from services.registry.index_grid import filed_positions
+from services.registry.index_grid import GRID, IndexGrid
 from services.registry.model import ReplicaState, Signer, with_holders
 from services.router.replica_records import ReplicaRecords
 
@@ -33,14 +41,39 @@ PROBES = 16  # ZCOUNTs per search round: a prompt's filed positions past the pol
 LEVELS = 3  # distinct prefix depths read per decision (the deepest with a live holder is what counts)
 HOLDERS = 64  # holders read at one depth: beyond that, a deterministic subset (any of them is as good)
 RECORD_REFRESH = 0.25
+RESERVED_CONNECTIONS = 8  # of the pool, left to the records' refresh (never waiting behind decisions)
+SLOT_WAIT = 10.0  # seconds a decision or claim may wait for a connection slot (a burst queues here, as it
+# would in the router's admission queue) before that one read goes without the index
+DEFAULT_POOL = 128  # services.registry.redis_connect.connect's
+
+
+class IndexBusy(TimeoutError):
+    """Every connection slot stayed taken for SLOT_WAIT: this read goes without the index (Redis is up)."""
+
+
+def pool_size(client) -> int:
+    """Connections the client may open (per node on a cluster)."""
+    pool = getattr(client, "connection_pool", None)
+    size = getattr(pool, "max_connections", None)
+    if size is None:
+        size = getattr(client, "connection_kwargs", {}).get("max_connections")
+    return int(size or DEFAULT_POOL)
 
 
 class RedisIndex:
     def __init__(self, client: Redis, namespace: str = keys.DEFAULT_NAMESPACE, signer: Signer | None = None,
-                 record_refresh: float = RECORD_REFRESH):
+                 record_refresh: float = RECORD_REFRESH, grid: IndexGrid = GRID):
         self.client = client
+        self.grid = grid  # the positions the publishers file
         self.ns = namespace
         self.records = ReplicaRecords(client, namespace, signer, record_refresh)
+        self.slots = asyncio.Semaphore(max(1, pool_size(client) - RESERVED_CONNECTIONS))
+
+    async def _slot(self) -> None:
+        try:
+            await asyncio.wait_for(self.slots.acquire(), SLOT_WAIT)
+        except asyncio.TimeoutError:
+            raise IndexBusy(f"no connection slot free within {SLOT_WAIT:g} s") from None
 
     @property
     def catalog_version(self) -> int:
@@ -70,7 +103,11 @@ class RedisIndex:
         hashes = block_hashes[:MAX_HASHES]
         if not hashes or not states:
             return states, []
-        found = await self.matches(hashes, position, by_generation, min_blocks)
+        await self._slot()
+        try:
+            found = await self.matches(hashes, position, by_generation, min_blocks)
+        finally:
+            self.slots.release()
         return states, [ReplicaState(states[i].info, states[i].load, n) for i, n in found.items()]
 
     async def matches(self, hashes: list[int], position: dict[str, int],
@@ -86,7 +123,7 @@ class RedisIndex:
         # replica holds lives, in keys with a member per replica.
         lo, hi, floor = max(0, min_blocks - 1), len(hashes), 0
         for _ in range(LEVELS):
-            depth = await self._search(hashes, filed_positions(lo, hi), floor, counts, now)
+            depth = await self._search(hashes, self.grid.filed_positions(lo, hi), floor, counts, now)
             if depth < 0:
                 break
             members = await self.client.zrangebyscore(keys.block_key(self.ns, hashes[depth]), now, "+inf",
@@ -134,14 +171,18 @@ class RedisIndex:
         i = self.records.position.get(replica_id)
         gen = self.records.states[i].info.generation if i is not None else 0
         hashes = block_hashes[:MAX_HASHES]
-        positions = filed_positions(held, len(hashes))
+        positions = self.grid.filed_positions(held, len(hashes))
         if not positions or not gen:
             return
         expiry = int(time.time() * 1000) + CLAIM_TTL_MS
         pipe = self.client.pipeline(transaction=False)
         for p in positions:
             pipe.zadd(keys.block_key(self.ns, hashes[p]), {str(gen): expiry}, gt=True)
-        await pipe.execute()
+        await self._slot()
+        try:
+            await pipe.execute()
+        finally:
+            self.slots.release()
 
     async def tokenizer(self, digest: str) -> bytes | None:
         """The tokenizer bundle published under `digest` (unverified: the caller checks it against the

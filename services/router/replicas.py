@@ -17,6 +17,7 @@ from services.openai_api.errors import APIError
 from services.registry.model import ModelIdentity, PrefixIndex, ReplicaInfo, ReplicaState, split_holders, with_holders
 from services.router.load_order import ORDERS, LoadOrders, least, lifted
 from services.router.metrics import RouterMetrics
+from services.router.redis_index import IndexBusy
 
 log = logging.getLogger(__name__)
 
@@ -240,10 +241,15 @@ class ReplicaView:
         # is never newer than the catalog (at worst it is derived once more on the next read).
         version = getattr(self.index, "catalog_version", None)
         if self._index_down and now < self._retry_at:
+            self.metrics.index_fallbacks.inc()
             return self._fallback()  # do not make every request wait for a dead Redis's timeout
         try:
             states, holders = await self._lookup(block_hashes, min_blocks)
+        except IndexBusy:  # every connection busy for a while: this decision only goes on load (Redis is up)
+            self.metrics.index_fallbacks.inc()
+            return self._fallback()
         except Exception as exc:
+            self.metrics.index_fallbacks.inc()
             if not self._index_down:
                 log.warning("prefix index unreachable (%s: %s); routing on load only", type(exc).__name__, exc)
             self._index_down, self._retry_at = True, now + INDEX_RETRY

@@ -6,7 +6,15 @@ threads (llguidance drops the GIL while it builds a lexer), under llguidance's f
 and a deadline; the first token mask is computed there too, since that is where a regex built to blow
 up (nested or huge repetitions) spends its time. A constraint that fails any of this is an
 `InvalidRequestError` naming the request field and the reason, never an unconstrained answer. Results,
-failures included, are kept in an LRU keyed by the constraint, so a repeated schema costs one lookup.
+the constraint's own failures included, are kept in an LRU keyed by the constraint, so a repeated schema
+costs one lookup.
+
+A failure that is this server's and not the constraint's (building the tokenizer's llguidance view, a
+MemoryError, any exception llguidance or this code raises other than its verdict on the constraint) is
+a `GrammarServiceError`: a 5xx-class error (the HTTP layers' handler for unexpected errors answers it
+500 and logs it there, once per request, with the request's path; nothing here logs it again), counted
+in `CompileStats.server_faults`, and never cached: the next request with the same constraint compiles
+it afresh, so a transient fault does not turn a valid schema into a remembered 400.
 
 Why llguidance: no dependencies, abi3 wheels, reads the `tokenizers` JSON directly (no transformers,
 no torch in the router or scheduler), computes a 50k-token mask in tens of microseconds, and takes JSON
@@ -59,6 +67,12 @@ class CompileStats:
     compile_seconds: float = 0.0
     cache_hits: int = 0
     failures: int = 0  # constraints refused: do not compile, exceed a limit or the deadline
+    server_faults: int = 0  # compiles this server failed (GrammarServiceError): never cached
+
+
+class GrammarServiceError(RuntimeError):
+    """The compiler failed for a reason of this server's, not the constraint's (the tokenizer, memory, a
+    bug): 5xx-class, never cached. The cause is chained (`__cause__`)."""
 
 
 class CompiledGrammar:
@@ -155,9 +169,12 @@ class GrammarCompiler:
             result = self._build(key, params)
         except InvalidRequestError as exc:
             result = exc
-        except Exception as exc:  # an llguidance API error: still this constraint's fault, not the server's
-            log.warning("constraint failed to compile: %s: %s", type(exc).__name__, exc)
-            result = InvalidRequestError(params.field_name, _short(f"cannot be compiled: {exc}"))
+        except Exception as exc:  # the server's fault, not the constraint's: raised to the waiters, not cached
+            with self._lock:
+                self.stats.server_faults += 1
+                self._inflight.pop(key, None)
+            raise GrammarServiceError(f"the grammar compiler failed on {params.field_name} "
+                                      f"({type(exc).__name__}: {_short(str(exc))})") from exc
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_seconds += time.perf_counter() - start
@@ -184,8 +201,14 @@ class GrammarCompiler:
             initial_lexer_fuel=lim.initial_lexer_fuel, step_lexer_fuel=lim.step_lexer_fuel,
             step_max_items=lim.step_max_items, max_lexer_states=lim.max_lexer_states,
             max_grammar_size=lim.max_grammar_size, verbose_errors=False)
-        grammar = grammar_text(params)
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=limits)
+        tokenizer = self._tokenizer()  # the server's: any failure here is a GrammarServiceError
+        try:
+            grammar = grammar_text(params)
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        except ValueError as exc:  # llguidance's verdict on the constraint's text (other types: the server's)
+            if isinstance(exc, InvalidRequestError):
+                raise
+            raise InvalidRequestError(params.field_name, _short(f"cannot be compiled: {exc}")) from None
         if matcher.is_error():
             raise InvalidRequestError(params.field_name, _short(f"cannot be compiled: {matcher.get_error()}"))
         why = _probe(matcher.deep_copy(), self._eos or [])

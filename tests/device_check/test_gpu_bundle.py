@@ -78,7 +78,7 @@ def test_offline_device_command_in_a_fresh_clone(tmp_path):
                           f"GPU_CHECK_ARGS=--device cpu --dry-run --table {table} --json {out_json}"],
                          env={**env, "PIP_NO_INDEX": "1"}, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "installing numpy" in run.stdout and "all checks passed" in run.stdout
+    assert "installing numpy" in run.stdout and "verdict: all 5 planned sections ran and passed" in run.stdout
 
     report = json.loads(out_json.read_text())
     assert report["failures"] == []
@@ -91,11 +91,13 @@ def test_offline_device_command_in_a_fresh_clone(tmp_path):
         assert all(r["data"]["ok"] for r in kernels)
     assert GPU_PLAN.kernel_dtypes == ("bfloat16", "float16")
     assert ("bandwidth", "SDPA on contiguous KV, same shape") in items
-    correct = {r["item"]: r["value"] for r in rows if r["section"] == "correct"}
-    assert correct["greedy, fake graphs == eager, batch 4 (captured)"] == "yes"
-    assert correct["prefill in chunks of 16 == whole"] == correct["prefix hit == computed"] == "yes"
-    assert correct["preempted and recomputed == uninterrupted"] == "yes"
-    assert correct["seeded sampling (T=1, top-p 0.95) twice"] == "same"
+    correct = {r["item"]: r for r in rows if r["section"] == "correct"}
+    # Against the float32 reference of the same weights, every logits row within the bound.
+    for item in ("greedy batch 4, fake graphs (captured size)", "greedy batch 4, eager", "whole prefill",
+                 "prefill in chunks of 16", "prefix hit", "preempted and recomputed"):
+        assert correct[item]["value"] == "yes" and correct[item]["data"]["rows"] > 0, correct[item]
+        assert correct[item]["data"]["max_fraction"] <= 1e-3
+    assert correct["seeded sampling (T=1, top-p 0.95) twice"]["value"] == "same"
     for batch in (1, 2, 4):
         assert ("tiny-llama", f"decode batch {batch}, eager") in items
         assert ("tiny-llama", f"decode batch {batch}, fake graphs") in items
@@ -105,3 +107,4 @@ def test_offline_device_command_in_a_fresh_clone(tmp_path):
     # The table file was written row by row: it holds every row of the run.
     lines = [line for line in table.read_text().splitlines() if line.startswith("| ")]
     assert len(lines) == len(rows) + 1  # and its header
+    assert table.read_text().strip().splitlines()[-1] == "verdict: all 5 planned sections ran and passed"

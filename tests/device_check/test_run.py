@@ -27,6 +27,20 @@ def test_dry_run_of_the_tensor_parallel_section(tmp_path):
     assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"] > 0
 
 
+def test_a_section_forced_to_skip_fails_the_dry_run(tmp_path):
+    """A check that did not run is a check that failed: the dry run of the kernels, float16 skipped."""
+    out, table = tmp_path / "check.json", tmp_path / "check.md"
+    proc = subprocess.run([sys.executable, "-m", "services.device_check.run", "--device", "cpu", "--dry-run",
+                           "--sections", "kernels", "--force-skip", "kernels float16", "--json", str(out),
+                           "--table", str(table)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdict = "verdict: FAILED: kernels float16: not run (forced to skip (--force-skip))"
+    assert verdict in proc.stdout and table.read_text().strip().splitlines()[-1] == verdict
+    report = json.loads(out.read_text())
+    assert report["finished"] == {"kernels float32": "passed", "kernels float16": "skipped"}
+    assert report["failures"] == ["kernels float16: not run (forced to skip (--force-skip))"]
+
+
 def test_triton_interpreter_is_refused_on_cuda():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "services.device_check.run"], cwd=REPO, capture_output=True,

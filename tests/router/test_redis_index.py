@@ -93,3 +93,38 @@ def test_a_shared_header_too_short_to_act_on_is_never_read(redis_server):
 
     matched, holder_reads = asyncio.run(scenario())
     assert matched == {"replica-0": 40} and holder_reads == 1
+
+
+def test_a_burst_of_decisions_never_empties_the_connection_pool(redis_server):
+    """400 decisions and claims at once on a client of 16 connections, each reply awaited while the loop is
+    busy with the others (as a router in a burst): every read is made (none fails for want of a connection,
+    none goes on load only), because decisions take a slot below the pool's size first."""
+    from services.router.redis_index import RESERVED_CONNECTIONS
+
+    async def scenario():
+        client = connect(redis_server.url, max_connections=16)
+        sink = RedisSink(client)
+        prompt = list(range(5000, 5064))
+        info = ReplicaInfo("a", "http://a", "m", 16, 4096, 8, 1)
+        await sink.write_blocks("a", BlockDelta(stored=set(prompt[:40])), ttl=60)
+        await sink.write_state(ReplicaState(info, ReplicaLoad()), 60)
+        index = RedisIndex(client)
+        await index.snapshot([])
+        assert index.slots._value == 16 - RESERVED_CONNECTIONS
+
+        async def decide(k: int):
+            states = await index.snapshot(prompt)
+            await index.claim("a", prompt, 40)
+            busy_until = asyncio.get_running_loop().time() + 0.002
+            while asyncio.get_running_loop().time() < busy_until:  # a busy event loop between replies
+                pass
+            return {s.info.replica_id: s.matched_blocks for s in states}
+
+        results = await asyncio.gather(*(decide(k) for k in range(400)), return_exceptions=True)
+        await index.close()
+        await client.aclose()
+        return results
+
+    results = asyncio.run(scenario())
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert all(r == {"a": 40} for r in results)

@@ -139,3 +139,64 @@ def test_json_whitespace_is_bounded_and_strict_closes_objects(compiler, smol_tok
         deep = {"type": "object", "properties": {"a": deep}}
     with pytest.raises(InvalidRequestError, match="nested deeper"):
         compiler.compile(StructuredOutputsParams(json=deep, strict=True))
+
+
+def test_a_server_fault_is_a_service_error_never_cached_and_the_next_compile_succeeds(smol_tokenizer):
+    """A tokenizer that cannot be built (a missing file, a full disk) is the server's fault: not a 400, and
+    not remembered against the schema, so the same constraint compiles once the fault is gone."""
+    from services.structured_output.compiler import GrammarServiceError
+
+    calls = []
+
+    def tokenizer_json() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("tokenizer.json: no space left on device")
+        return smol_tokenizer.fast.to_str()
+
+    c = GrammarCompiler(tokenizer_json, smol_tokenizer.vocab_size, [2])
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                                     source="response_format")
+    try:
+        with pytest.raises(GrammarServiceError) as e:
+            c.compile(params)
+        assert not isinstance(e.value, InvalidRequestError) and isinstance(e.value.__cause__, OSError)
+        assert "response_format" in str(e.value) and "no space left" in str(e.value)
+        assert (c.stats.server_faults, c.stats.failures, c.stats.cache_hits) == (1, 0, 0)
+        assert isinstance(c.compile(params), CompiledGrammar)  # compiled afresh: the fault was not cached
+        assert c.stats.compiles == 1 and c.stats.cache_hits == 0
+        assert isinstance(c.compile(params), CompiledGrammar) and c.stats.cache_hits == 1
+    finally:
+        c.close()
+
+
+def test_memory_errors_inside_llguidance_are_the_servers_and_async_waiters_get_them(compiler, monkeypatch):
+    from services.structured_output import compiler as module
+    from services.structured_output.compiler import GrammarServiceError
+
+    real = module._probe
+    failing = {"left": 1}
+
+    def probe(matcher, eos):  # the first masks, computed inside llguidance
+        if failing["left"]:
+            failing["left"] -= 1
+            raise MemoryError()
+        return real(matcher, eos)
+
+    monkeypatch.setattr(module, "_probe", probe)
+    params = StructuredOutputsParams(regex="[0-9]{3}-memory", source="guided_regex")
+    faults = compiler.stats.server_faults
+    with pytest.raises(GrammarServiceError) as e:
+        asyncio.run(compiler.compile_async(params))
+    assert isinstance(e.value.__cause__, MemoryError) and compiler.stats.server_faults == faults + 1
+    assert isinstance(asyncio.run(compiler.compile_async(params)), CompiledGrammar)
+
+
+def test_a_constraint_llguidance_rejects_is_a_cached_400_not_a_server_fault(compiler):
+    params = StructuredOutputsParams(grammar="start: %%% not lark", source="guided_grammar")
+    faults = compiler.stats.server_faults
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError) as e:
+            compiler.compile(params)
+        assert e.value.field == "guided_grammar"
+    assert compiler.stats.server_faults == faults

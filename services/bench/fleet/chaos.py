@@ -24,6 +24,7 @@ import httpx
 from services.bench.fleet.load_client import Tally, send
 from services.commands.bench_flags import one_of
 from services.commands.up import LocalCluster
+from services.contracts import metric_names as M
 from services.contracts.internal_auth import HEADER
 
 
@@ -55,6 +56,7 @@ class ScenarioResult:
     rss_mb_after: float
     recovery_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    index_fallbacks: int | None = None  # router decisions that went on load only (the index unread)
 
 
 class ChaosCluster:
@@ -93,6 +95,18 @@ class ChaosCluster:
             return r.json() if r.status_code in (200, 503) else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    def router_counters(self) -> dict[str, float]:
+        """The router's counters (every label summed) from its /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, _, value = line.rpartition(" ")
+            base = name.split("{", 1)[0]
+            out[base] = out.get(base, 0.0) + float(value)
+        return {k: out.get(k, 0.0) for k in (M.ROUTER_ROUTING_DECISIONS, M.ROUTER_INDEX_FALLBACKS)}
 
     def blocks_in_use(self) -> int:
         healths = (self.scheduler_health(i) or {} for i in range(self.cluster.num_replicas))
@@ -233,10 +247,17 @@ async def drain(c: ChaosCluster, cfg: ChaosConfig) -> ScenarioResult:
 
 async def overload(c: ChaosCluster, cfg: ChaosConfig) -> ScenarioResult:
     rss = c.rss_mb()
+    before = c.router_counters()
     async with _client() as client:
         tally = await _gather(send(client, c.url + "/v1/completions", c.body(i, False, 16), cfg.hang_timeout)
                               for i in range(cfg.burst))
-    return _result(c, cfg, f"{cfg.burst} requests at once", tally, rss)
+    after = c.router_counters()
+    decisions, fallbacks = (after[k] - before[k] for k in (M.ROUTER_ROUTING_DECISIONS, M.ROUTER_INDEX_FALLBACKS))
+    # Whether the burst was routed on the prefix index: a read that could not be made (no connection free
+    # in the router's Redis pool, Redis unreachable) sends its decision on load only.
+    return _result(c, cfg, f"{cfg.burst} requests at once", tally, rss, notes=[
+        f"router: {decisions:.0f} routing decisions, {fallbacks:.0f} index reads not made (routed on load only)"],
+        index_fallbacks=int(fallbacks))
 
 
 SCENARIOS = {"engine-kill": engine_kill, "redis-outage": redis_outage, "dropped-streams": dropped_streams,
@@ -283,6 +304,9 @@ def run(args) -> int:
                       dropped=args.dropped, burst=args.burst, streams=args.streams)
     results = run_scenarios(cfg, free_port(), args.scenarios.split(",") if args.scenarios else None)
     print_table(results)
+    for r in results:
+        for note in r.notes:
+            print(f"{r.name}: {note}")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return 0

@@ -24,6 +24,9 @@ class FleetResult:
     redis_us_per_event: float
     redis_by_command: dict[str, dict[str, float]]
     replay: dict | None  # index_replay.ReplayResult: the fleet's writes at the H200 rate, sent at once
+    write_load: dict | None = None  # write_load.WriteStats: the fleet's writes during the decisions
+    redis_busy_fraction: float = 0.0  # Redis CPU over the decision phase's wall time (decisions, writes, publishes)
+    whole_fleet_decisions: dict = field(default_factory=dict)  # "session"/"lora" -> p50_ms, p99_ms, decisions
     runs_decision_p99_ms: list[float] = field(default_factory=list)  # each pass's, when there were several
     runs_redis_us_per_decision: list[float] = field(default_factory=list)
 
@@ -35,6 +38,14 @@ def print_result(r: FleetResult) -> None:
           f"{r.busiest_vs_fair:.2f}x fair | {r.redis_bytes_per_cached_block:.0f} B/block | events "
           f"{r.events_per_s_absorbed:,.0f}/s of {r.events_per_s_target:,.0f}/s target, "
           f"{r.redis_us_per_event:.2f} us each", flush=True)
+    if r.write_load:
+        w = r.write_load
+        print(f"         while the fleet wrote {w['events_per_s']:,.0f} block events/s ({w['writes_per_s']:,.0f} index "
+              f"writes/s; target {w['target_events_per_s']:,.0f}/s) from its own process(es); Redis "
+              f"{r.redis_busy_fraction:.0%} busy", flush=True)
+    for kind, d in r.whole_fleet_decisions.items():
+        print(f"         {kind} decisions (the whole fleet ranked): p50 {d['p50_ms']:.2f} ms p99 {d['p99_ms']:.2f} ms "
+              f"({d['decisions']})", flush=True)
     if r.replay:
         p = r.replay
         print(f"         H200 rate, replayed: {p['seconds_of_fleet_time']:g} s of the fleet's writes "
@@ -48,7 +59,8 @@ def print_result(r: FleetResult) -> None:
 
 
 _MEDIAN_FIELDS = ("decision_p50_ms", "decision_p99_ms", "redis_us_per_decision", "router_us_per_decision",
-                  "oracle_fraction", "busiest_vs_fair", "events_per_s_absorbed", "redis_us_per_event")
+                  "oracle_fraction", "busiest_vs_fair", "events_per_s_absorbed", "redis_us_per_event",
+                  "redis_busy_fraction")
 
 
 def median_result(runs: list[FleetResult]) -> FleetResult:

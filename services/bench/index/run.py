@@ -16,168 +16,47 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
-from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict
 from urllib.parse import urlsplit
 
+from services.bench.host_cpu import describe_cpu
+from services.bench.index.fleet_sim import (
+    BLOCK,
+    H200_EVENTS_PER_S,
+    SEED,
+    FakeReplica,
+    header_tokens,
+    oracle_blocks,
+    publish_all,
+    workload,
+)
+from services.bench.index.redis_stats import command_stats, is_cluster, minus, node_usec, plus, redis_stats
 from services.bench.index.replay import run_replay
 from services.bench.index.report import FleetResult, median_result, plot, print_result
 from services.bench.index.router_process import RouterProcess
+from services.bench.index.stride_cost import parse_grids, print_stride, run_stride
+from services.bench.index.write_load import FleetWriter
 from services.commands.bench_flags import parsed, positive_numbers
 from services.contracts.block_hash import hash_blocks
-from services.registry.model import ReplicaInfo, ReplicaLoad
+from services.registry.index_grid import EXACT, GRID
+from services.registry.model import ReplicaInfo
 from services.registry.publisher import ReplicaPublisher
 from services.registry.redis_sink import RedisSink, connect
 
-BLOCK = 16
-SEED = 1234
-# The H200 figure every replica's event stream is sized on (docs/architecture.md states the arithmetic):
-# Llama-3.1-8B BF16 at batch ~128 computes ~16,000 new KV tokens/s (prefill + decode) = 1,000 blocks of 16
-# stored per second, and as many evicted once the cache is full: 2,000 block events/s per replica.
-H200_EVENTS_PER_S = 2000
-
-
-@dataclass
-class Event:
-    kind: str
-    block_hashes: list[int]
-    positions: list[int]
-
-
-class FakeReplica:
-    """What the publisher reads from a replica: its load and the KV events of its LRU prefix cache."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.cache: OrderedDict[int, int] = OrderedDict()  # block hash -> its position in its chain
-        self.events: list[Event] = []
-        self.inflight = 0
-        self.stream_position = 0  # where the event-rate phase's chain has got to
-
-    def load(self) -> ReplicaLoad:
-        return ReplicaLoad(num_running=self.inflight, cached_blocks=len(self.cache))
-
-    def drain_kv_events(self) -> list:
-        out, self.events = self.events, []
-        return out
-
-    def cached_prefix(self, hashes: list[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.cache:
-                break
-            n += 1
-        return n
-
-    def admit(self, hashes: list[int], start: int = 0) -> None:
-        """The request ran here: its blocks (positions start, start + 1, ... of their chain) are cached,
-        prefix last touched, and the LRU tail evicted."""
-        new = [(h, start + p) for p, h in enumerate(hashes) if h not in self.cache]
-        for p in range(len(hashes) - 1, -1, -1):  # the prefix ends up most recently used: evicted last
-            self.cache[hashes[p]] = start + p
-            self.cache.move_to_end(hashes[p])
-        evicted = []
-        while len(self.cache) > self.capacity:
-            evicted.append(self.cache.popitem(last=False))
-        if new:
-            self.events.append(Event("stored", [h for h, _ in new], [p for _, p in new]))
-        if evicted:
-            self.events.append(Event("removed", [h for h, _ in evicted], [p for _, p in evicted]))
-
-
-def header_tokens(rng: random.Random, blocks: int = 4) -> list[int]:
-    """The chat-template header every prompt of the fleet starts with."""
-    return [rng.randrange(50_000) for _ in range(blocks * BLOCK)]
-
-
-def workload(groups: int, questions: int, rng: random.Random, head: list[int], system: int = 60,
-             question: int = 64) -> list[list[int]]:
-    """Block-hash chains of groups x questions prompts, shuffled: header + system prompt + question blocks."""
-    prompts = []
-    for _ in range(groups):
-        sys_ids = [rng.randrange(50_000) for _ in range(system * BLOCK)]
-        for _ in range(questions):
-            ids = head + sys_ids + [rng.randrange(50_000) for _ in range(question * BLOCK)]
-            prompts.append(hash_blocks(ids, BLOCK, SEED))
-    rng.shuffle(prompts)
-    return prompts
-
-
-def oracle_blocks(prompts: list[list[int]], warm=()) -> int:
-    """Blocks a perfect router (every earlier prompt's cache reachable, and the `warm` blocks every replica
-    holds from the start) serves from cache."""
-    seen: set[int] = set(warm)
-    total = 0
-    for hashes in prompts:
-        for h in hashes:
-            if h not in seen:
-                break
-            total += 1
-        seen.update(hashes)
-    return total
-
-
-async def redis_stats(client) -> tuple[float, int]:
-    """(command usec, used_memory bytes) summed over every node (one, or every cluster primary); the
-    INFO calls this benchmark makes are left out."""
-    usec = sum(u for _, u in (await command_stats(client)).values())
-    if _is_cluster(client):
-        from redis.asyncio.cluster import RedisCluster
-
-        mem = list((await client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
-    else:
-        mem = [await client.info("memory")]
-    return usec, sum(int(m.get("used_memory", 0)) for m in mem)
-
-
-async def _node_commandstats(client) -> dict[str, dict]:
-    if _is_cluster(client):
-        from redis.asyncio.cluster import RedisCluster
-
-        return await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
-    return {"one": await client.info("commandstats")}
-
-
-async def node_usec(client) -> dict[str, float]:
-    """Node -> command usec so far (INFO left out)."""
-    return {name: sum(float(v.get("usec", 0)) for k, v in node.items()
-                      if k.startswith("cmdstat_") and k != "cmdstat_info")
-            for name, node in (await _node_commandstats(client)).items()}
-
-
-async def command_stats(client) -> dict[str, tuple[int, float]]:
-    """Command name -> (calls, usec) summed over every node, INFO left out."""
-    out: dict[str, tuple[int, float]] = {}
-    for node in (await _node_commandstats(client)).values():
-        for k, v in node.items():
-            if k.startswith("cmdstat_") and k != "cmdstat_info":
-                calls, usec = out.get(k[8:], (0, 0.0))
-                out[k[8:]] = (calls + int(v.get("calls", 0)), usec + float(v.get("usec", 0)))
-    return out
-
-
-def _plus(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
-    return {k: (a.get(k, (0, 0.0))[0] + b.get(k, (0, 0.0))[0], a.get(k, (0, 0.0))[1] + b.get(k, (0, 0.0))[1])
-            for k in a.keys() | b.keys()}
-
-
-def _minus(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
-    return {k: (c - b.get(k, (0, 0.0))[0], u - b.get(k, (0, 0.0))[1]) for k, (c, u) in a.items()}
-
-
-def _is_cluster(client) -> bool:
-    return type(client).__name__ == "RedisCluster"
+ADAPTER = ("sql", "a" * 64)  # (name, digest) of the adapter LoRA decisions ask for
 
 
 async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     rng = random.Random(args.seed)
     client = connect(url, timeout=10)  # the machine is shared: a slow moment is not an outage here
-    await (client.flushall(target_nodes="primaries") if _is_cluster(client) else client.flushall())
+    await (client.flushall(target_nodes="primaries") if is_cluster(client) else client.flushall())
     sink = RedisSink(client)
     fakes = [FakeReplica(args.capacity) for _ in range(n)]
-    infos = [ReplicaInfo(f"replica-{i}", f"http://replica-{i}", "m", BLOCK, 8192, 8, SEED) for i in range(n)]
+    # One replica in ten holds a LoRA adapter (LoRA decisions rank the whole fleet by residency and load).
+    infos = [ReplicaInfo(f"replica-{i}", f"http://replica-{i}", "m", BLOCK, 8192, 8, SEED,
+                         adapters={ADAPTER[0]: ADAPTER[1]} if i % 10 == 0 else {}) for i in range(n)]
     identity = infos[0].identity
     pubs = [ReplicaPublisher(sink, info, f, heartbeat_interval=3600) for info, f in zip(infos, fakes, strict=True)]
     _, mem0 = await redis_stats(client)
@@ -185,7 +64,7 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     for f in fakes:  # background cache content: chains nobody asks for, and the header (a warm fleet)
         f.admit([rng.getrandbits(63) for _ in range(args.cached_blocks)])
         f.admit(hash_blocks(head, BLOCK, SEED))
-    await _publish_all(pubs)
+    await publish_all(pubs)
     _, mem1 = await redis_stats(client)
     entries = sum(len(f.cache) for f in fakes)
 
@@ -204,6 +83,11 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     window: deque[tuple[int, int]] = deque()  # requests in flight: (decision that ends it, replica)
     hold = args.hold or 2 * n  # about two requests in flight per replica
     touched: set[int] = set()  # replicas whose cache or load changed since the last publish
+    writer = None
+    if args.write_rate > 0:  # the fleet's own writes, from processes of their own, while the router decides
+        gens = {info.replica_id: sink.generation_of(info.replica_id) for info in infos}
+        writer = FleetWriter(url, sink.ns, gens, args.write_rate, GRID, args.writers, args.seed).start()
+    phase_started, usec_started = time.perf_counter(), (await redis_stats(client))[0]
     try:
         mark = await command_stats(client)
         for k, hashes in enumerate(prompts):
@@ -221,18 +105,29 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
                 fakes[r].inflight -= 1
                 touched.add(r)
             if k % args.publish_every == args.publish_every - 1:  # the publishers' 20 ms batches
-                spent = _plus(spent, _minus(await command_stats(client), mark))
+                spent = plus(spent, minus(await command_stats(client), mark))
                 # Whoever stored blocks or whose load moved: a real publisher ticks every 20 ms and publishes a
                 # load change, so a replica a request just left must not look busy until its next event.
-                await _publish_all([pubs[j] for j in sorted(touched)])
+                await publish_all([pubs[j] for j in sorted(touched)])
                 touched.clear()
                 mark = await command_stats(client)
+        spent = plus(spent, minus(await command_stats(client), mark))
+        phase_s = time.perf_counter() - phase_started
+        redis_busy = ((await redis_stats(client))[0] - usec_started) / 1e6 / phase_s
+        writes = writer.stop() if writer is not None else None
+        writer = None
+        # Session and LoRA decisions: the paths that rank the whole fleet (RouterService._pick), timed alike.
+        for k in range(args.special_decisions):  # each request ends before the next: load stays as it was
+            hashes = prompts[k % len(prompts)]
+            router.finished(router.decide(hashes, session=f"session-{k % 97}")[0])
+            router.finished(router.decide(hashes, adapter=ADAPTER)[0])
         totals = router.totals()
     finally:
+        if writer is not None:
+            writer.stop()
         router.close()
-    spent = _plus(spent, _minus(await command_stats(client), mark))
-    redis_usec = sum(u for _, u in spent.values())
     decisions = len(prompts)
+    redis_usec = decision_usec(spent, totals.claim_writes)
 
     target, absorbed, usec_per_event = await _event_rate(client, pubs, fakes, rng, args)
     replayed = None
@@ -242,9 +137,11 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
     await client.aclose()
     lat, cpu = sorted(totals.latencies_s), totals.cpu_s
     redis_us = redis_usec / decisions
+    special = {kind: {"p50_ms": percentile(v, 0.5) * 1e3, "p99_ms": percentile(v, 0.99) * 1e3, "decisions": len(v)}
+               for kind, v in totals.by_kind.items() if v}
     return FleetResult(
-        replicas=n, decisions=decisions, decision_p50_ms=statistics.median(lat) * 1e3,
-        decision_p99_ms=lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, redis_us_per_decision=redis_us,
+        replicas=n, decisions=decisions, decision_p50_ms=percentile(lat, 0.5) * 1e3,
+        decision_p99_ms=percentile(lat, 0.99) * 1e3, redis_us_per_decision=redis_us,
         router_us_per_decision=cpu / decisions * 1e6,
         decisions_per_s_per_redis_core=1e6 / redis_us if redis_us else float("inf"),
         oracle_fraction=cached / max(1, oracle_blocks(prompts, hash_blocks(head, BLOCK, SEED))),
@@ -253,12 +150,22 @@ async def run_fleet(url: str, n: int, args, replay: bool = True) -> FleetResult:
         events_per_s_absorbed=absorbed, redis_us_per_event=usec_per_event,
         replay=asdict(replayed) if replayed else None,
         redis_by_command={k: {"calls_per_decision": round(c / decisions, 2), "us_per_decision": round(u / decisions, 2)}
-                          for k, (c, u) in sorted(spent.items(), key=lambda kv: -kv[1][1]) if c})
+                          for k, (c, u) in sorted(spent.items(), key=lambda kv: -kv[1][1]) if c},
+        write_load=asdict(writes) if writes else None, redis_busy_fraction=redis_busy, whole_fleet_decisions=special)
 
 
-async def _publish_all(pubs: list[ReplicaPublisher]) -> None:
-    for i in range(0, len(pubs), 64):  # a bounded number of pipelines in flight at once
-        await asyncio.gather(*(p.tick() for p in pubs[i:i + 64]))
+def percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(len(v) * q))] if v else float("nan")
+
+
+def decision_usec(spent: dict[str, tuple[int, float]], claim_writes: int) -> float:
+    """Redis usec of the decisions in `spent` (command stats over the decision windows): their reads (ZCOUNT,
+    ZRANGEBYSCORE) and their claims' share of the ZADDs, at the mean ZADD's cost; a fleet writing meanwhile
+    (ZADD, ZREM) is left out."""
+    reads = sum(u for k, (_, u) in spent.items() if k in ("zcount", "zrangebyscore"))
+    zadds, zadd_usec = spent.get("zadd", (0, 0.0))
+    return reads + (zadd_usec / zadds * min(claim_writes, zadds) if zadds else 0.0)
 
 
 async def _event_rate(client, pubs, fakes, rng, args) -> tuple[float, float, float]:
@@ -274,7 +181,7 @@ async def _event_rate(client, pubs, fakes, rng, args) -> tuple[float, float, flo
             f.admit([rng.getrandbits(63) for _ in range(per_tick)], f.stream_position)
             f.stream_position += per_tick
         events += n * per_tick * 2
-        await _publish_all(pubs)
+        await publish_all(pubs)
         lag = (time.perf_counter() - t0) - events / target
         if lag < 0:
             await asyncio.sleep(-lag)
@@ -332,6 +239,14 @@ def run(args) -> int:
             print(f"  medians of {args.passes} passes:", flush=True)
             for r in results:
                 print_result(r)
+        stride = []
+        for n in [int(x) for x in str(args.stride_replicas).split(",") if x.strip()] if args.stride_decisions else ():
+            grids = [(g, f"dense {g.dense}, stride {g.stride}" + (" (the system's)" if g == GRID else ""))
+                     for g in parse_grids(args.stride_grids)] + [(EXACT, "exact")]
+            runs = [asyncio.run(run_stride(url, n, args.stride_decisions, grid, label, args.seed, args.capacity))
+                    for grid, label in grids]
+            print_stride(runs)
+            stride += runs
     finally:
         if cluster is not None:
             cluster.stop()
@@ -340,7 +255,8 @@ def run(args) -> int:
             server.wait(10)
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+            json.dump({"machine": describe_cpu(), "fleet": [asdict(r) for r in results],
+                       "stride_cost": [{**asdict(r), "of_best": r.of_best} for r in stride]}, f, indent=2)
     if args.plot:
         plot(results, args.plot)
     return 0

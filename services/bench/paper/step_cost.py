@@ -1,17 +1,22 @@
 """What one engine step costs on `bench paper`'s virtual clock: measured here, or modeled for the paper's GPU.
 
-Measured: the step's CPU time at one torch thread (other processes' load does not inflate it), else its
-wall time. On a CPU a step's cost grows about linearly with the batch, so compute, not KV memory, caps
-the batch early, which hides what paging buys (the vLLM paper's gains come from GPUs, where a step costs
-about the same at batch 8 as at 64).
+Every clock has a `kind`, "measured" or "modeled", and every figure on it is written out under that
+kind (services.bench.paper.serve.CLOCKED): a modeled rate or latency is never named like a measured one.
 
-Modeled (`a100-opt13b`): the vLLM paper's setup, OPT-13B in FP16 on one A100-40GB, as a roofline. A step
-reads every weight once (26 GB at 1.5 TB/s: 17 ms) or computes its new tokens (26 GFLOP each at 190
-TFLOP/s sustained: 0.14 ms), whichever is longer, and reads the KV of every context token it attends to
-(2 x 40 layers x 5120 x 2 bytes = 0.82 MB at 1.5 TB/s: 0.55 us). The workload's lengths are scaled down
-by `scale`, so a context token or a prompt token stands for 1/scale of the paper's (a decode step still
-makes one token per sequence). The real engine still runs every
-step (the schedule, the KV pool, the outputs are real); only the clock is the model's.
+Measured (`cpu`): the step's CPU time at one torch thread (other processes' load does not inflate it),
+else its wall time. On a CPU a step's cost grows about linearly with the batch, so compute, not KV
+memory, caps the batch early, which hides what paging buys (the vLLM paper's gains come from GPUs, where
+a step costs about the same at batch 8 as at 64).
+
+Modeled (`a100-opt13b`): the vLLM paper's setup, OPT-13B in FP16 on one A100-40GB, as an **uncalibrated
+roofline**: no figure of it was fitted to a measurement of an A100, and it has no per-step overhead
+(kernel launches, sampling, the scheduler), so it flatters small batches. A step reads every weight once
+(26 GB at 1.5 TB/s: 17 ms) or computes its tokens (26 GFLOP per new token at 190 TFLOP/s sustained, plus
+attention's 4 x 40 layers x 5120 FLOPs per attended context token), whichever is longer, and reads the
+KV of every context token it attends to (2 x 40 layers x 5120 x 2 bytes = 0.82 MB at 1.5 TB/s: 0.55 us).
+The workload's lengths are scaled down by `scale`, so a context token or a prompt token stands for
+1/scale of the paper's (a decode step still makes one token per sequence). The real engine still runs
+every step (the schedule, the KV pool, the outputs are real); only the clock is the model's.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from dataclasses import dataclass
 
 from services.contracts.step_protocol import SchedulerOutput
 
-# OPT-13B FP16 on one A100-40GB.
+# OPT-13B FP16 on one A100-40GB: 40 layers, hidden 5120.
+LAYERS, HIDDEN = 40, 5120
 WEIGHT_READ_S = 26e9 / 1.5e12
-COMPUTE_S_PER_TOKEN = 2 * 13e9 / 190e12
-KV_READ_S_PER_TOKEN = 2 * 40 * 5120 * 2 / 1.5e12
+FLOPS = 190e12
+COMPUTE_S_PER_TOKEN = 2 * 13e9 / FLOPS
+ATTENTION_S_PER_CONTEXT_TOKEN = 4 * LAYERS * HIDDEN / FLOPS  # QK^T and PV, per (new token, attended token)
+KV_READ_S_PER_TOKEN = 2 * LAYERS * HIDDEN * 2 / 1.5e12
 
 STEP_COSTS = ("cpu", "a100-opt13b")
 
@@ -34,6 +42,7 @@ STEP_COSTS = ("cpu", "a100-opt13b")
 class MeasuredStep:
     clock_fn: Callable[[], float]
     name: str
+    kind: str = "measured"
 
     def run(self, core) -> tuple[list, float]:
         t0 = self.clock_fn()
@@ -44,15 +53,24 @@ class MeasuredStep:
 @dataclass(frozen=True)
 class ModeledA100Step:
     scale: float
-    name: str = "modeled: OPT-13B FP16 on one A100-40GB (roofline), real engine steps"
+    name: str = ("modeled: OPT-13B FP16 on one A100-40GB, an uncalibrated roofline (no per-step overhead), "
+                 "over real engine steps")
+    kind: str = "modeled"
 
     def cost(self, out: SchedulerOutput | None) -> float:
         if out is None or not out.sequences:
             return 0.0
-        # A prompt chunk stands for a 1/scale longer one; a decode is one token at any scale.
-        new = sum(len(s.token_ids) / self.scale if len(s.token_ids) > 1 else 1 for s in out.sequences)
-        context = sum(s.start_pos + len(s.token_ids) for s in out.sequences) / self.scale
-        return max(WEIGHT_READ_S, COMPUTE_S_PER_TOKEN * new) + KV_READ_S_PER_TOKEN * context
+        new = attended = context = 0.0
+        for s in out.sequences:
+            n, start = len(s.token_ids), s.start_pos
+            # A prompt chunk stands for a 1/scale longer one; a decode is one token at any scale.
+            m = n / self.scale if n > 1 else 1
+            first = start / self.scale
+            new += m
+            attended += m * first + m * (m + 1) / 2  # each new token attends to everything before it and itself
+            context += (start + n) / self.scale
+        compute = COMPUTE_S_PER_TOKEN * new + ATTENTION_S_PER_CONTEXT_TOKEN * attended
+        return max(WEIGHT_READ_S, compute) + KV_READ_S_PER_TOKEN * context
 
     def run(self, core) -> tuple[list, float]:
         outputs = core.step()

@@ -164,6 +164,12 @@ def run(args) -> int:
                                                     seed=args.seed + 99), vocab)
             asyncio.run(run_load(url, model, warm, math.inf, "poisson", 1.0, None, 0, True, progress=False))
             report["systems"][name] = []
+            if args.structured_compare:
+                from services.bench.serve.structured_cost import compare
+
+                report["structured_cost"] = {name: [compare(url, model, spec, vocab, r, args, slo, guided_counters,
+                                                            mask_cost) for r in rates]}
+                continue
             for rate, requests in zip(rates, workloads, strict=True):
                 before = guided_counters(url)
                 results, duration = asyncio.run(run_load(url, model, requests, rate, args.arrival, args.burstiness,

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from services.bench.paper.kv_breakdown import BusiestMoment
-from services.bench.paper.serve import serve_trace, sustained_rate
+from services.bench.paper.serve import serve_trace
 from services.bench.paper.workloads import TraceRequest
 from tests.scheduler.test_scheduler import make_core
 
@@ -53,9 +53,3 @@ def test_free_space_between_reservations_counts_as_external_fragmentation(smol_t
     assert b.external_fragmentation > 0
     total = b.token_states + b.reserved + b.internal_fragmentation + b.external_fragmentation + b.free
     assert total == pytest.approx(100.0)
-
-
-def test_sustained_rate_interpolates_to_the_bound():
-    assert sustained_rate([(1, 0.1), (2, 0.2), (4, 0.6)], 0.4) == (pytest.approx(3.0), False)
-    assert sustained_rate([(1, 0.1), (2, 0.2)], 0.4) == (2, True)
-    assert sustained_rate([(1, 0.5), (2, 0.9)], 0.4) == (0.0, False)

@@ -23,12 +23,16 @@ def test_a_decode_step_costs_the_weight_read_plus_its_kv_whatever_the_batch_up_t
     model = ModeledA100Step(scale=0.125)
     one = model.cost(SchedulerOutput(0, [seq(1, 99)]))
     assert one == pytest.approx(WEIGHT_READ_S + KV_READ_S_PER_TOKEN * 100 * 8)
-    many = model.cost(SchedulerOutput(0, [seq(1, 99)] * 64))  # 64 decodes: 8.8 ms of compute, under 17
+    many = model.cost(SchedulerOutput(0, [seq(1, 99)] * 64))  # 64 decodes: ~9.5 ms of compute, under 17
     # 64 decodes cost their KV reads more than one does, but not 64 weight reads: the GPU regime.
     assert many == pytest.approx(WEIGHT_READ_S + 64 * KV_READ_S_PER_TOKEN * 800) and many < 4 * one
     # A long prefill is compute-bound: it costs more than the weight read.
     assert model.cost(SchedulerOutput(0, [seq(2048, 0)])) > 2 * WEIGHT_READ_S
     assert model.cost(SchedulerOutput(0, [])) == 0 and model.cost(None) == 0
+    # Attention's FLOPs count: a prefill's grow with the square of its length, beyond its tokens' GEMMs.
+    long, short = (model.cost(SchedulerOutput(0, [seq(n, 0)])) for n in (256, 128))
+    assert long > 2 * short
+    assert model.kind == "modeled" and "uncalibrated roofline" in model.name
 
 
 def test_step_costs_by_name():
@@ -41,13 +45,15 @@ def test_step_costs_by_name():
 
 def test_a_modeled_sweep_is_reported_under_its_name(tiny_llama_dir, tmp_path):
     out = tmp_path / "paper.json"
-    rc = main(["bench", "paper", "--model", str(tiny_llama_dir), "--dtype", "float32", "--num-requests", "6",
-               "--fractions", "0.5,2", "--scale-sharegpt", "0.0625", "--workloads", "sharegpt",
+    rc = main(["bench", "paper", "--model", str(tiny_llama_dir), "--dtype", "float32", "--trace-requests", "12",
+               "--min-requests", "8", "--bracket", "1.5", "--scale-sharegpt", "0.0625", "--workloads", "sharegpt",
                "--systems", "pagedserve,orca-max", "--sharing-requests", "0", "--step-cost", "a100-opt13b",
                "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert report["step_cost"].startswith("modeled: OPT-13B")
-    sweep = report["workloads"]["sharegpt"]["systems"]["pagedserve"]["sweep"]
+    assert report["clock"]["kind"] == "modeled" and "uncalibrated roofline" in report["clock"]["name"]
+    d = report["workloads"]["sharegpt"]
+    assert "modeled_sustained_rps" in d["systems"]["pagedserve"] and "modeled_latency_bound_s_per_token" in d
+    assert not any("measured" in k for t in d["systems"]["pagedserve"]["trials"] for k in t)
     # Every step costs at least the weight read: no request finishes faster than its tokens' reads.
-    assert all(p["normalized_latency"] >= WEIGHT_READ_S for p in sweep)
+    assert all(t["modeled_normalized_latency"] >= WEIGHT_READ_S for t in d["systems"]["pagedserve"]["trials"])

@@ -130,3 +130,22 @@ def test_bench_serve_starts_and_stops_the_servers_it_measures(tiny_llama_dir, tm
     run = json.loads(out.read_text())["systems"]["pagedserve serve"][0]
     assert run["completed"] == 6 and run["total_prompt_tokens"] >= 6 * 8
     assert (tmp_path / "pagedserve-serve.log").exists()
+
+
+def test_structured_compare_alternates_constrained_and_unconstrained_passes(serve_url, tmp_path):
+    """Constrained decoding's cost end to end: pairs of passes, every request constrained in one and none in
+    the other, order alternating; the TPOT ratio with each pair's."""
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "services.commands.cli", "bench", "serve", "--endpoint", serve_url,
+                           "--num-requests", "4", "--input-len", "8-16", "--output-len", "6", "--rates", "inf",
+                           "--warmup", "1", "--structured-compare", "2", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cost = json.loads(out.read_text())["structured_cost"]["endpoint"][0]
+    assert [p["constrained"] for p in cost["passes"]] == [False, True, True, False]
+    assert all(p["completed"] == p["requests"] == 4 for p in cost["passes"])
+    masked = [p["mask"] for p in cost["passes"] if p["constrained"]]
+    assert all(m["mask_ms_per_step"] > 0 and m["constrained_share_of_rows"] == 1.0 for m in masked)
+    assert all(p["mask"] is None for p in cost["passes"] if not p["constrained"])  # no mask computed at all
+    assert len(cost["ratio_per_pair"]) == 2 and cost["ratio_of_medians"] > 0
+    assert "constrained / unconstrained TPOT p50" in done.stdout
