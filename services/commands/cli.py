@@ -102,6 +102,9 @@ def _add_bench(sub) -> None:
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks pagedserve's engine is split across")
     t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    t.add_argument("--speculative-config", default=None,
+                   help="run pagedserve with speculative decoding (vLLM's JSON); the acceptance rate and mean "
+                        "acceptance length are reported")
     t.add_argument("--lora-adapters", default=None,
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: throughput of each "
                         "and its ratio to the base model (0) in the same run, instead of the baselines")
@@ -115,6 +118,22 @@ def _add_bench(sub) -> None:
     ba.add_argument("--json", dest="json_path", default=None)
     ba.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `bench throughput` arguments")
     ba.set_defaults(handler="services.bench.offline.before_after:run")
+    d = bsub.add_parser("spec-decode", help="speculative decoding against none on copy-heavy chats, side by side "
+                        "in one run, at each batch size (tokens/s, acceptance rate, mean acceptance length)")
+    d.add_argument("--speculative-config", default=None,
+                   help="vLLM's JSON (default: ngram, 4 tokens, prompt lookup 2-4)")
+    d.add_argument("--model", default=None)
+    d.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    d.add_argument("--batch-sizes", default="1", help="comma-separated running-batch caps, e.g. 1,4,16,64")
+    d.add_argument("--num-prompts", type=int, default=6, help="chats per pass (at least twice the batch size)")
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--passes", type=int, default=3, help="alternating passes of each engine per batch size")
+    d.add_argument("--num-kv-blocks", type=int, default=2048)
+    d.add_argument("--identity", type=int, default=0,
+                   help="also compare N greedy outputs and report the target's top-2 gap where they part")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", dest="json_path", default=None)
+    d.set_defaults(handler="services.bench.offline.spec_decode:run")
     r = bsub.add_parser("routing", help="prefix routing vs round-robin on local clusters, shared-prefix chat")
     r.add_argument("--replicas", type=int, default=3)
     r.add_argument("--groups", type=int, default=8, help="distinct system prompts")
@@ -159,6 +178,9 @@ def _add_bench(sub) -> None:
     s.add_argument("--lora-adapters", default=None,
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: starts one `pagedserve "
                         "serve` with them and gives each count's throughput and its ratio to the base model (0)")
+    s.add_argument("--speculative-config", default=None,
+                   help="vLLM's JSON: every started pagedserve system runs again with it, on the same workload "
+                        "(acceptance rate and mean acceptance length reported)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log-dir", default=None, help="where started servers' logs go (default .bench/logs)")
     s.add_argument("--json", dest="json_path", default=None)
