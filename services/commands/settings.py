@@ -135,8 +135,8 @@ LORA_ADMIN_KEY = Option("--lora-admin-key", "the key of /v1/load_lora_adapter an
                         "(distinct from API keys; prefer the env var); unset: run-time loading is off")
 SPECULATIVE_CONFIG = Option("--speculative-config", "speculative decoding as vLLM's JSON object, e.g. "
                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
-                            "methods ngram, draft_model (with \"model\": PATH); give the scheduler and its engine "
-                            "the same value", type=_speculative_json)
+                            "methods ngram, draft_model and eagle3 (with \"model\": PATH); give the scheduler and "
+                            "its engine the same value", type=_speculative_json)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 

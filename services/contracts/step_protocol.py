@@ -81,6 +81,9 @@ class ScheduledSequence:
     # The engine's draft model proposes this many tokens after this step (0: none); the scheduler
     # allocated KV slots for its writes past this step's tokens.
     propose_draft_tokens: int = 0
+    # A prompt chunk that does not end the prompt, for an engine whose drafter is an EAGLE-3 head: the
+    # prompt's next token (the head reads each position with the token after it); -1 otherwise.
+    next_prompt_token: int = -1
 
 
 @dataclass(slots=True)

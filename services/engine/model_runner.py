@@ -34,6 +34,7 @@ from services.engine.model_loader import load_llama, random_llama, read_config
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
 from services.engine.spec_decode.draft_model import DraftModel
+from services.engine.spec_decode.eagle3 import Eagle3Drafter
 from services.engine.spec_decode.verify import commit_verified
 from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
@@ -168,7 +169,9 @@ class ModelRunner:
                                  self._send_lora if group is not None and group.rank == 0 else None
                                  ) if config.max_loras else None
         # Every rank captures the same graphs in the same order: their collectives pair up.
-        self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
+        # An EAGLE-3 head reads hidden states of every decode, which the captured graphs do not keep.
+        eager = config.enforce_eager or isinstance(self.drafter, Eagle3Drafter)
+        self.graphs = None if eager else self.capture_decode_graphs(graph_capture)
         if group is not None and group.rank == 0:
             self.sender = StepSender(group, heartbeat_s=min(5.0, group.timeout_s / 4))
             self.sender.start_heartbeat()
@@ -177,7 +180,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
             eos_token_ids=eos, max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank if config.max_loras else 0,
-            draft_method="draft_model" if self.drafter is not None else "", max_draft_tokens=num_drafts)
+            draft_method=config.speculative.method if self.drafter is not None else "", max_draft_tokens=num_drafts)
         if group is not None and group.rank != 0:
             log.info("tensor-parallel rank %d of %d ready on %s: %s", group.rank, group.size, self.device,
                      self.memory[group.rank].describe())
@@ -194,11 +197,15 @@ class ModelRunner:
         spec = self.config.speculative
         if spec is None or not spec.proposer_in_engine:
             return None  # n-gram drafts come from the scheduler: nothing to load
-        if spec.method != "draft_model":
+        if spec.method == "eagle3":
+            drafter = Eagle3Drafter(spec.model, self.dtype, self.device, backend, self.model,
+                                    spec.num_speculative_tokens)
+        elif spec.method == "draft_model":
+            drafter = DraftModel(spec.model, self.dtype, self.device, backend, spec.num_speculative_tokens)
+        else:
             raise ValueError(f"speculative_config.method {spec.method!r} is not implemented in this engine")
-        drafter = DraftModel(spec.model, self.dtype, self.device, backend, spec.num_speculative_tokens)
-        log.info("draft model %s: %d layers, proposes up to %d tokens per step", drafter.model_dir,
-                 drafter.model.config.num_layers, spec.num_speculative_tokens)
+        log.info("%s drafter %s: %d layers, proposes up to %d tokens per step", spec.method, drafter.model_dir,
+                 drafter.config.num_layers, spec.num_speculative_tokens)
         return drafter
 
     def _send_lora(self, commands: bytes) -> None:
@@ -325,5 +332,5 @@ class ModelRunner:
             if step.drafts:
                 commit_verified(result, step.drafts)
         if self.drafter is not None:
-            self.drafter.follow(out, result)  # its KV follows the committed tokens; proposals where asked
+            self.drafter.follow(out, result, step)  # its KV follows the committed tokens; proposals where asked
         return result

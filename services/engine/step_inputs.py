@@ -125,6 +125,9 @@ class StepInputs:
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
     # seq_id -> the draft tokens its rows verify (speculative decoding); its owners appear k + 1 times
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # seq_id -> where its first token sits in the flattened batch (an EAGLE-3 head reads the target's
+    # hidden states by it); filled for eager steps
+    token_offsets: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_sampled(self) -> int:
@@ -211,6 +214,9 @@ class StepInputBuilder:
                     raise _Refused
             elif s.sample is not False or k != 0 or ahead != 0:
                 ok = False
+            nxt = s.next_prompt_token
+            if nxt != -1 and not (type(nxt) is int and 0 <= nxt < vocab and s.sample is False):
+                raise _Refused
             if not ok:
                 raise _Refused
             (decodes if n == 1 else prefills).append(s)
@@ -339,7 +345,16 @@ class StepInputBuilder:
                           num_copies=len(pairs), num_real_decodes=nd,
                           lora_segments=self._lora_segments(decodes + prefills),
                           drafts={s.seq_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
-                                  for s in prefills if s.num_draft_tokens})
+                                  for s in prefills if s.num_draft_tokens},
+                          token_offsets=self._offsets(decodes + prefills))
+
+    @staticmethod
+    def _offsets(ordered) -> dict[str, int]:
+        out, at = {}, 0
+        for s in ordered:
+            out[s.seq_id] = at
+            at += len(s.token_ids)
+        return out
 
     @staticmethod
     def _lora_segments(ordered) -> list[tuple[int, int, int]]:

@@ -221,6 +221,10 @@ def _check_drafts(s, limits: StepLimits, bad) -> None:
         bad("num_draft_tokens", "drafts need a row that samples one token (sample, num_samples == 1)")
     elif k and k >= n:
         bad("num_draft_tokens", f"{k} drafts in {n} tokens: at least one token must precede them")
+    nxt = s.next_prompt_token
+    if nxt != -1 and not (_is_int(nxt) and 0 <= nxt < limits.vocab_size and s.sample is False):
+        bad("next_prompt_token", f"must be -1 or, on a chunk that samples nothing, a token id in "
+                                 f"[0, {limits.vocab_size}), got {_short(nxt)}")
     if not _is_int(ahead) or not 0 <= ahead <= limits.max_propose:
         bad("propose_draft_tokens", f"must be an integer in [0, {limits.max_propose}] (this engine's drafter), "
                                     f"got {_short(ahead)}")

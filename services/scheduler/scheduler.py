@@ -48,6 +48,8 @@ class Scheduler:
         self.config = config
         self.speculator = speculator
         self.step_drafts = StepDrafts()  # the drafts of the last step scheduled (speculative decoding)
+        # The engine's drafter is an EAGLE-3 head: a chunk that does not end its prompt carries the next token.
+        self.wants_next_prompt_token = speculator is not None and speculator.config.method == "eagle3"
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -218,6 +220,7 @@ class Scheduler:
             lora_slot=-1 if req.lora is None else slots[req.lora.digest],
             num_draft_tokens=0 if drafts is None else len(drafts),
             propose_draft_tokens=self.step_drafts.propose.get(req.seq_id, 0),
+            next_prompt_token=req.token_ids[start + n] if not sample and self.wants_next_prompt_token else -1,
         )
 
     def _blocks_in_flight(self) -> set[int]:

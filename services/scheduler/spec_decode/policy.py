@@ -16,8 +16,8 @@ the rule is re-evaluated after each; every draft also needs room in the step's t
 The knee is measured online: every step's wall time and token count feed an exponentially weighted
 least-squares fit of t = a + b*T (knee = a / b), so it follows the device and what shares it. A draft's
 probability is its sequence's conditional acceptance rate c (accepted drafts over verified positions up
-to the first rejection, with the whole replica's rate as a prior) to the power of its position: the
-i-th draft is kept only if all i - 1 before it are.
+to the first rejection, starting from 1/2 worth four positions) to the power of its position: the i-th
+draft is kept only if all i - 1 before it are.
 """
 
 from __future__ import annotations

@@ -20,7 +20,11 @@ from services.scheduler.sequence import Sequence
 from services.scheduler.spec_decode.ngram import TokenBuffer, propose_ngram
 from services.scheduler.spec_decode.policy import AcceptanceRate, Candidate, StepCostModel, plan_drafts
 
-_INITIAL_RATE = 0.5  # the replica-wide conditional acceptance rate before any draft was verified
+# A sequence's acceptance estimate starts here and follows its own drafts (_PRIOR_WEIGHT positions'
+# worth): acceptance depends on the request (a copy task accepts most drafts, free text few), so a replica-
+# wide prior could turn speculation off for good after a run of requests that reject, and no later copy
+# task would ever get a first draft. A sequence that rejects its first few drafts stops drafting.
+_INITIAL_RATE = 0.5
 
 
 class SpecState:
@@ -68,7 +72,6 @@ class Speculator:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.cost = StepCostModel(pinned_knee=config.knee_tokens)
-        self.rate = AcceptanceRate()  # the whole replica's
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
     @staticmethod
@@ -104,7 +107,7 @@ class Speculator:
         if budget <= 0 or (cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size):
             return out
         knee = self.cost.knee
-        prior = self.rate.rate(_INITIAL_RATE)
+        prior = _INITIAL_RATE
         threshold = step_tokens / (knee + step_tokens)
         candidates: list[Candidate] = []
         proposals: dict[str, list[int]] = {}
@@ -151,7 +154,6 @@ class Speculator:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.num_accepted_tokens_per_pos[i] += 1
-        self.rate.observe(num_drafts, num_accepted)
         if req.drafting is not None:
             req.drafting.rate.observe(num_drafts, num_accepted)
 
