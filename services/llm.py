@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from services.contracts.byte_size import parse_bytes
+from services.contracts.speculative_config import SpeculativeConfig
 from services.engine.config import EngineConfig
 from services.model_files.tokenizer import ModelTokenizer
 from services.request.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -29,8 +30,13 @@ class LLM:
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
                  max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve",
-                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
+                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 speculative_config: dict | str | None = None):
+        """`speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2} (services.contracts.speculative_config)."""
         from services.engine.tp_launch import start_runner
+
+        spec = SpeculativeConfig.parse(speculative_config)  # refused before minutes of loading
 
         # tensor_parallel_size > 1: this process is rank 0 and starts the other ranks as child processes.
         self.runner = start_runner(EngineConfig(
@@ -38,12 +44,13 @@ class LLM:
             kv_cache_memory=parse_bytes(kv_cache_memory), max_model_len=max_model_len,
             attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size, tp_timeout=tp_timeout, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras))
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            speculative_config=spec.to_json() if spec is not None else None))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                                 serving_system=serving_system)
+                                 serving_system=serving_system, speculative_config=spec)
         self._ids = itertools.count()
         self.step_hook = None  # called after every step (benchmarks read KV efficiency through it)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from services.commands import flag_values as V
+from services.commands import settings as S
 from services.commands.flag_values import FlagError, flag
 from services.registry.index_grid import DENSE, STRIDE
 
@@ -31,6 +32,9 @@ def add_bench(sub) -> None:
     t.add_argument("--tensor-parallel-size", type=V.integer(1), default=1,
                    help="ranks pagedserve's engine is split across")
     t.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    t.add_argument("--speculative-config", default=None, type=S.speculative_json,
+                   help="run pagedserve with speculative decoding (vLLM's JSON); the acceptance rate and mean "
+                        "acceptance length are reported")
     t.add_argument("--lora-adapters", default=None,
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: throughput of each "
                         "and its ratio to the base model (0) in the same run, instead of the baselines")
@@ -38,6 +42,22 @@ def add_bench(sub) -> None:
                    help="with --lora-adapters: passes over the counts, alternately in order and reversed")
     t.set_defaults(handler="services.bench.offline.throughput:run",
                    flag_check="services.bench.offline.throughput:check_flags")
+    d = bsub.add_parser("spec-decode", help="speculative decoding against none on copy-heavy chats, side by side "
+                        "in one run, at each batch size (tokens/s, acceptance rate, mean acceptance length)")
+    d.add_argument("--speculative-config", default=None, type=S.speculative_json,
+                   help="vLLM's JSON (default: ngram, 4 tokens, prompt lookup 2-4)")
+    d.add_argument("--model", default=None)
+    d.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    d.add_argument("--batch-sizes", default="1", help="comma-separated running-batch caps, e.g. 1,4,16,64")
+    d.add_argument("--num-prompts", type=V.integer(1), default=6, help="chats per pass (at least twice the batch size)")
+    d.add_argument("--max-tokens", type=V.integer(1), default=128)
+    d.add_argument("--passes", type=V.integer(1), default=3, help="alternating passes of each engine per batch size")
+    d.add_argument("--num-kv-blocks", type=V.integer(1), default=2048)
+    d.add_argument("--identity", type=V.integer(0), default=0,
+                   help="also compare N greedy outputs and report the target's top-2 gap where they part")
+    d.add_argument("--seed", type=V.integer(), default=0)
+    d.add_argument("--json", dest="json_path", default=None)
+    d.set_defaults(handler="services.bench.offline.spec_decode:run")
     ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
                          "alternating runs in one command, ratio of medians")
     ba.add_argument("--before", required=True, help="the earlier git revision (checked out in a temporary worktree)")
@@ -95,6 +115,9 @@ def add_bench(sub) -> None:
                    help="comma-separated counts of rank-8 LoRA adapters in the mix, e.g. 0,1,4: starts one `pagedserve "
                         "serve` with them and gives each count's throughput and its ratio to the base model (0)")
     s.add_argument("--seed", type=V.integer(), default=0)
+    s.add_argument("--speculative-config", default=None, type=S.speculative_json,
+                   help="vLLM's JSON: every started pagedserve system runs again with it, on the same workload "
+                        "(acceptance rate and mean acceptance length reported)")
     s.add_argument("--log-dir", default=None, help="where started servers' logs go (default .bench/logs)")
     s.add_argument("--json", dest="json_path", default=None)
     s.add_argument("--plot", default=None, help="write latency-vs-rate and CDF plots to this PNG (matplotlib)")

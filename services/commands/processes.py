@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 # The options an engine child inherits from `up` or `serve`.
 ENGINE_FLAGS = ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory", "max_model_len",
                 "attention_backend", "enforce_eager", "max_num_seqs", "tensor_parallel_size", "tp_timeout", "max_loras",
-                "max_lora_rank", "max_cpu_loras", "log_level"]
+                "max_lora_rank", "max_cpu_loras", "speculative_config", "log_level"]
 
 
 def die_with_parent() -> None:

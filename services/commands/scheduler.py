@@ -44,6 +44,7 @@ def replica_settings(args) -> ReplicaSettings:
                            lora_modules=list(getattr(args, "lora_modules", None) or []),
                            lora_dir=getattr(args, "lora_dir", None),
                            lora_admin_key=getattr(args, "lora_admin_key", None),
+                           speculative_config=getattr(args, "speculative_config", None),
                            internal_token=InternalToken.from_sources(getattr(args, "internal_token_file", None),
                                                                      getattr(args, "internal_token", None)))
 

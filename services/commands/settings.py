@@ -36,6 +36,16 @@ class Option:
         return "PAGEDSERVE_" + self.dest.upper()
 
 
+def speculative_json(text: str) -> str:
+    """A --speculative-config value, checked when the flag is parsed (the error names the key)."""
+    from services.contracts.speculative_config import SpeculativeConfig
+
+    SpeculativeConfig.parse(text)  # raises ValueError: argparse reports it against the flag
+    return text
+
+
+speculative_json.__name__ = "speculative config (JSON)"
+
 HOST = Option("--host", "address to listen on", default="0.0.0.0")
 # The engine takes steps from its own scheduler only: loopback unless told otherwise (and then a token).
 ENGINE_HOST = Option("--host", "address to listen on (beyond loopback only with an internal token)",
@@ -129,18 +139,23 @@ LORA_DIR = Option("--lora-dir", "the directory run-time loads (/v1/load_lora_ada
 LORA_ADMIN_KEY = Option("--lora-admin-key", "the key of /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         "(distinct from API keys; prefer the env var); unset: run-time loading is off",
                         secret=True)
+SPECULATIVE_CONFIG = Option("--speculative-config", "speculative decoding as vLLM's JSON object, e.g. "
+                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; "
+                            "methods ngram, draft_model and eagle3 (with \"model\": PATH); give the scheduler and "
+                            "its engine the same value", type=speculative_json)
 LOG_LEVEL = Option("--log-level", "logging level", default="info",
                    choices=("debug", "info", "warning", "error"))
 
 # The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
 _ENGINE_CORE = (MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, ATTENTION_BACKEND,
                 ENFORCE_EAGER, MAX_NUM_SEQS, LOAD_FORMAT, TENSOR_PARALLEL_SIZE, TP_LOCAL_RANKS, TP_RENDEZVOUS,
-                TP_TIMEOUT, MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS)
+                TP_TIMEOUT, MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS, SPECULATIVE_CONFIG)
 _LORA_SERVING = (LORA_MODULES, LORA_DIR, LORA_ADMIN_KEY)
 ENGINE_OPTIONS = (ENGINE_HOST, *_ENGINE_CORE, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
 # A tensor-parallel rank other than 0: no port, no token (it talks only to its group).
 ENGINE_WORKER_OPTIONS = (*_ENGINE_CORE, TP_NODE_RANK, TP_LOCAL_RANK, LOG_LEVEL)
-_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING)
+_SCHEDULING = (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, ENABLE_PREFIX_CACHING, MAX_MODEL_LEN, MAX_WAITING,
+               SPECULATIVE_CONFIG)
 SCHEDULER_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, ENGINE_URL, *_SCHEDULING, REDIS_URL, REPLICA_ID,
                      ADVERTISE_URL, HEARTBEAT_INTERVAL, MAX_BODY_BYTES, DRAIN_TIMEOUT, ENGINE_TIMEOUT,
                      INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, *_LORA_SERVING, LOG_LEVEL)

@@ -84,7 +84,8 @@ class LocalCluster:
         threads = str(max(1, (os.cpu_count() or 1) // self.num_replicas))
         engine_flags = flags(a, [n for n in ENGINE_FLAGS if n != "model"])
         sched_flags = flags(a, ["max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
-                                "max_waiting", "max_body_bytes", "lora_modules", "lora_dir", "log_level"])
+                                "max_waiting", "max_body_bytes", "lora_modules", "lora_dir", "speculative_config",
+                                "log_level"])
         several = len(self.models) > 1  # never with --lora-modules (flag_rules.several_models)
         for spec in self.models:
             model = ["--model", spec.path] if spec.path else []

@@ -23,6 +23,18 @@ E2E_REQUEST_LATENCY = "pagedserve_e2e_request_latency_seconds"  # histogram
 # vLLM's own name and labels (running_lora_adapters, waiting_lora_adapters, max_lora), so gateways that read
 # vLLM's LoRA residency (llm-d, AIBrix, Gateway API inference extension) read pagedserve's too.
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# Speculative decoding (issue 33), under vLLM's names so its dashboards and queries read pagedserve's:
+# acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts; per-position
+# acceptance = accepted_per_pos{position} / drafts. Exported only by replicas that speculate.
+SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # label position
+SPEC_DECODE_METRICS = frozenset({SPEC_DECODE_NUM_DRAFTS, SPEC_DECODE_NUM_DRAFT_TOKENS, SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+                                 SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS})
+# gauge: the step size (tokens) at which a forward pass is measured to turn compute-bound; speculation
+# turns down as a step approaches and passes it (services/scheduler/spec_decode/policy.py)
+SPEC_DECODE_KNEE_TOKENS = "pagedserve_spec_decode_knee_tokens"
 # Structured output (counters): compile time per compile = compile_seconds / compiles; mask time per step =
 # mask_seconds / mask_steps; constrained share of rows = constrained_rows / sampled_rows.
 GUIDED_COMPILES = "pagedserve_structured_output_compiles_total"
@@ -55,7 +67,7 @@ SCHEDULER_METRICS = frozenset({
     REQUESTS_WAITING, REQUESTS_RUNNING, KV_CACHE_USAGE_RATIO, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
     PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY,
     E2E_REQUEST_LATENCY, GUIDED_COMPILES, GUIDED_COMPILE_SECONDS, GUIDED_CACHE_HITS, GUIDED_COMPILE_FAILURES,
-    GUIDED_MASK_STEPS, GUIDED_MASK_SECONDS, GUIDED_CONSTRAINED_ROWS, SAMPLED_ROWS,
+    GUIDED_MASK_STEPS, GUIDED_MASK_SECONDS, GUIDED_CONSTRAINED_ROWS, SAMPLED_ROWS, SPEC_DECODE_KNEE_TOKENS,
 })
 ROUTER_METRICS = frozenset({
     ROUTER_REQUESTS, ROUTER_UPSTREAM_ERRORS, ROUTER_RETRIES, ROUTER_QUEUE_DEPTH, ROUTER_MODEL_QUEUE_DEPTH,

@@ -72,6 +72,18 @@ class ScheduledSequence:
     token_bitmask: bytes | None = None
     penalties: PenaltySpec | None = None  # only on rows that sample and ask for one
     lora_slot: int = -1  # the LoRA slot whose adapter this sequence runs with (-1: the base model)
+    # Speculative decoding: the last num_draft_tokens of token_ids are drafts to verify. The engine samples
+    # after each of the last num_draft_tokens + 1 positions (as if each were the sequence's end, with
+    # output_index + i and the drafts before it in the penalties' history), keeps the drafts the target's
+    # own samples agree with and returns those plus the target's next token; token_bitmask then holds
+    # num_draft_tokens + 1 masks back to back. Requires sample and num_samples == 1.
+    num_draft_tokens: int = 0
+    # The engine's draft model proposes this many tokens after this step (0: none); the scheduler
+    # allocated KV slots for its writes past this step's tokens.
+    propose_draft_tokens: int = 0
+    # A prompt chunk that does not end the prompt, for an engine whose drafter is an EAGLE-3 head: the
+    # prompt's next token (the head reads each position with the token after it); -1 otherwise.
+    next_prompt_token: int = -1
 
 
 @dataclass(slots=True)
@@ -131,18 +143,25 @@ class TokenLogprobs:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     step_id: int
-    # For each scheduled sequence with sample=True, in order: num_samples sampled token ids.
+    # For each scheduled sequence with sample=True, in order: num_samples sampled token ids; for one with
+    # drafts, the tokens it commits (the accepted drafts, then the target's own next token).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # The draft model's proposals for the next step, for sequences scheduled with propose_draft_tokens.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def to_wire(self) -> dict:
-        return {"step_id": self.step_id, "sampled": self.sampled,
+        wire = {"step_id": self.step_id, "sampled": self.sampled,
                 "logprobs": {k: [_fields(x) for x in v] for k, v in self.logprobs.items()}}
+        if self.draft_token_ids:
+            wire["draft_token_ids"] = self.draft_token_ids
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> ModelRunnerOutput:
         lps = {k: [TokenLogprobs(**x) for x in v] for k, v in d.get("logprobs", {}).items()}
-        return cls(step_id=d["step_id"], sampled=d["sampled"], logprobs=lps)
+        return cls(step_id=d["step_id"], sampled=d["sampled"], logprobs=lps,
+                   draft_token_ids=d.get("draft_token_ids", {}))
 
 
 @dataclass(slots=True)
@@ -159,6 +178,10 @@ class EngineInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     max_loras: int = 0  # LoRA slots (0: no adapters)
     max_lora_rank: int = 0
+    # The engine's drafter (speculative_config.method: "draft_model" or "eagle3"; "" none) and the most
+    # tokens it proposes per step.
+    draft_method: str = ""
+    max_draft_tokens: int = 0
 
     def to_wire(self) -> dict:
         return asdict(self)

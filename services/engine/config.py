@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from services.contracts.byte_size import parse_bytes
+from services.contracts.speculative_config import SpeculativeConfig
 
 LOAD_FORMATS = ("safetensors", "random")
 MAX_LORA_RANK = 512  # vLLM's largest --max-lora-rank too
@@ -48,6 +49,9 @@ class EngineConfig:
     max_loras: int = 0  # LoRA adapter slots resident at once (0: no adapters)
     max_lora_rank: int = 16  # the rank every slot is padded to; an adapter of higher rank is refused
     max_cpu_loras: int | None = None  # loaded adapters kept in host memory (default: max(max_loras, 8))
+    # Speculative decoding (a JSON object, services.contracts.speculative_config): the engine loads a draft
+    # model or EAGLE-3 head for the methods that need one; n-gram needs nothing here.
+    speculative_config: str | None = None
 
     def __post_init__(self):
         def refuse(name: str, message: str):
@@ -80,6 +84,14 @@ class EngineConfig:
             refuse("max_cpu_loras", f"must be an integer >= 1, got {self.max_cpu_loras!r}")
         if not isinstance(self.tp_timeout, (int, float)) or not 0 < self.tp_timeout < float("inf"):
             refuse("tp_timeout", f"must be > 0 seconds, got {self.tp_timeout!r}")
+        spec = self.speculative
+        if spec is not None and spec.proposer_in_engine and self.tensor_parallel_size > 1:
+            refuse("speculative_config", f"method {spec.method!r} is not implemented with tensor parallelism "
+                   f"(ngram is)")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def ranks_per_machine(self) -> int:
@@ -112,7 +124,8 @@ class EngineConfig:
                    tensor_parallel_size=opt("tensor_parallel_size", 1), tp_local_ranks=opt("tp_local_ranks", None),
                    tp_rendezvous=opt("tp_rendezvous", None), tp_timeout=opt("tp_timeout", 60.0),
                    max_loras=opt("max_loras", 0), max_lora_rank=opt("max_lora_rank", 16),
-                   max_cpu_loras=opt("max_cpu_loras", None))
+                   max_cpu_loras=opt("max_cpu_loras", None),
+                   speculative_config=opt("speculative_config", None) or None)
 
     def as_flags(self) -> list[str]:
         """The flags that rebuild this config (`from_args(parse(as_flags()))` equals it)."""

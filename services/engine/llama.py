@@ -117,6 +117,10 @@ class LlamaModel:
             from kernels.cpu import load
 
             self.fused = load()
+        # EAGLE-3 (services/engine/spec_decode/eagle3.py): the residual stream entering these layers, for
+        # every token of a forward, is kept in `aux_hidden` ([T, len * hidden]) for the draft head.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -133,12 +137,15 @@ class LlamaModel:
         T = h.shape[0]
         last = len(self.layers) - 1
         delta = None  # output of the previous sub-layer, not yet added to the residual stream h
+        aux: dict[int, torch.Tensor] = {}
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if fused is not None:
                 x = fused.add_rms_norm(h, delta, layer["input_norm"], eps)  # also h += delta, in place
             else:
                 h = h if delta is None else h + delta
                 x = rms_norm(h, layer["input_norm"], eps)
+            if i in self.aux_layers:
+                aux[i] = h.clone()  # h is updated in place by the fused kernels
             qkv = layer["qkv"](x)
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
@@ -176,6 +183,8 @@ class LlamaModel:
                 lora.apply(i, "down", act, delta)
             if reduce is not None and i != last:
                 reduce(delta)
+        if aux:
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         delta = delta.index_select(0, sample_idx)
         if reduce is not None:  # the last layer's MLP feeds only the sampled rows: reduce just those
             reduce(delta)

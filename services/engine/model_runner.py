@@ -34,6 +34,9 @@ from services.engine.lora.batch import LoraBatch
 from services.engine.model_loader import load_llama, random_llama, read_config
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
+from services.engine.spec_decode.draft_model import DraftModel
+from services.engine.spec_decode.eagle3 import Eagle3Drafter
+from services.engine.spec_decode.verify import commit_verified
 from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
@@ -125,6 +128,10 @@ class ModelRunner:
         self.block_size = block_size
         # A rank's cache holds its own KV heads: the same number of blocks fits on every rank.
         per_block = 2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        # Speculative decoding's draft model: its own KV cache over the same block ids (sized together).
+        self.drafter = self._load_drafter(backend)
+        if self.drafter is not None:
+            per_block += self.drafter.bytes_per_block(block_size)
         self.num_kv_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         shape = (self.num_kv_blocks, block_size, self.model.num_kv_heads, cfg.head_dim)
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
@@ -156,8 +163,12 @@ class ModelRunner:
         fast = built if self.dtype != torch.float32 else None
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
+        if self.drafter is not None:
+            self.drafter.check_target(cfg.vocab_size, self.max_model_len)
+            self.drafter.allocate(self.num_kv_blocks, block_size, self.max_model_len)
+        num_drafts = self.drafter.num_tokens if self.drafter is not None else 0
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
-                                                  cfg.vocab_size), self.device)
+                                                  cfg.vocab_size, max_propose=num_drafts), self.device)
         if self.device.type == "cuda" and backend == "triton":
             warm_up(self)  # every kernel variant compiles now, not while serving
         self.sender = None
@@ -168,7 +179,9 @@ class ModelRunner:
                                  self._send_lora if group is not None and group.rank == 0 else None
                                  ) if config.max_loras else None
         # Every rank captures the same graphs in the same order: their collectives pair up.
-        self.graphs = None if config.enforce_eager else self.capture_decode_graphs(graph_capture)
+        # An EAGLE-3 head reads hidden states of every decode, which the captured graphs do not keep.
+        eager = config.enforce_eager or isinstance(self.drafter, Eagle3Drafter)
+        self.graphs = None if eager else self.capture_decode_graphs(graph_capture)
         if group is not None and group.rank == 0:
             self.sender = StepSender(group, heartbeat_s=min(5.0, group.timeout_s / 4))
             self.sender.start_heartbeat()
@@ -176,7 +189,8 @@ class ModelRunner:
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
             eos_token_ids=eos, max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank if config.max_loras else 0)
+            max_lora_rank=config.max_lora_rank if config.max_loras else 0,
+            draft_method=config.speculative.method if self.drafter is not None else "", max_draft_tokens=num_drafts)
         if group is not None and group.rank != 0:
             log.info("tensor-parallel rank %d of %d ready on %s: %s", group.rank, group.size, self.device,
                      self.memory[group.rank].describe())
@@ -188,6 +202,21 @@ class ModelRunner:
                  "" if group is None else " per rank")
         for m in self.memory:
             log.info("memory: %s", m.describe())
+
+    def _load_drafter(self, backend: str) -> DraftModel | None:
+        spec = self.config.speculative
+        if spec is None or not spec.proposer_in_engine:
+            return None  # n-gram drafts come from the scheduler: nothing to load
+        if spec.method == "eagle3":
+            drafter = Eagle3Drafter(spec.model, self.dtype, self.device, backend, self.model,
+                                    spec.num_speculative_tokens)
+        elif spec.method == "draft_model":
+            drafter = DraftModel(spec.model, self.dtype, self.device, backend, spec.num_speculative_tokens)
+        else:
+            raise ValueError(f"speculative_config.method {spec.method!r} is not implemented in this engine")
+        log.info("%s drafter %s: %d layers, proposes up to %d tokens per step", spec.method, drafter.model_dir,
+                 drafter.config.num_layers, spec.num_speculative_tokens)
+        return drafter
 
     def _send_lora(self, commands: bytes) -> None:
         with self.group.exclusive("LoRA adapters"):
@@ -247,6 +276,8 @@ class ModelRunner:
                             self.lora.slots if self.lora is not None else None)
 
     def reset(self) -> None:
+        if self.drafter is not None:
+            self.drafter.reset()
         if self.sender is not None:
             with self.group.exclusive("reset"):
                 self.sender.send(Op.RESET)
@@ -264,16 +295,7 @@ class ModelRunner:
         self.arena.index_copy_(2, dst, self.arena.index_select(2, src))
 
     def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
-        nd = step.num_decode
-        splits = (self.model.attn.backend.num_splits(nd, self.model.num_kv_heads, step.decode_max_context_len)
-                  if nd else None)
-        return AttentionMetadata(
-            slot_mapping=t.slot_mapping, num_decode=nd, decode_block_tables=t.decode_block_tables,
-            decode_context_lens=t.decode_context_lens, decode_max_context_len=step.decode_max_context_len,
-            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables,
-            prefill_query_start_loc=t.prefill_query_start_loc, prefill_context_lens=t.prefill_context_lens,
-            prefill_max_query_len=step.prefill_max_query_len, prefill_max_context_len=step.prefill_max_context_len,
-            prefill_spans=step.prefill_spans, step_cache={})
+        return step.attention_metadata(t, self.model.attn, self.model.num_kv_heads)
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """Copy-on-write, then the forward of a validated step: (logits of the sampled rows, final hidden
@@ -309,13 +331,16 @@ class ModelRunner:
                 ran = self.run_step(step)
                 self.group.wait_device(f"step {out.step_id}")
         rows = step.rows
-        if ran is None or not rows:
-            return result
-        logits, hidden = ran
-        n = len(rows)
-        tokens, logprobs = self.sampler(logits[:n], rows, hidden[:n], self.model.head_weight)
-        for seq_id, tok, lp in zip(step.owners, tokens, logprobs, strict=True):
-            result.sampled.setdefault(seq_id, []).append(tok)
-            if lp is not None:
-                result.logprobs.setdefault(seq_id, []).append(lp)
+        if ran is not None and rows:
+            logits, hidden = ran
+            n = len(rows)
+            tokens, logprobs = self.sampler(logits[:n], rows, hidden[:n], self.model.head_weight)
+            for seq_id, tok, lp in zip(step.owners, tokens, logprobs, strict=True):
+                result.sampled.setdefault(seq_id, []).append(tok)
+                if lp is not None:
+                    result.logprobs.setdefault(seq_id, []).append(lp)
+            if step.drafts:
+                commit_verified(result, step.drafts)
+        if self.drafter is not None:
+            self.drafter.follow(out, result, step)  # its KV follows the committed tokens; proposals where asked
         return result

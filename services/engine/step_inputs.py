@@ -25,9 +25,12 @@ import numpy as np
 import torch
 
 from services.contracts.step_protocol import InvalidStepError, SchedulerOutput, StepFault
+from services.engine.attention import AttentionMetadata
 from services.engine.sampler import SampleRow
+from services.engine.spec_decode.verify import draft_rows
 from services.engine.step_validation import (
     INDEX_LIMIT,
+    MAX_DRAFT_TOKENS,
     MAX_NUM_SAMPLES,
     StepLimits,
     bitmask_size,
@@ -120,6 +123,11 @@ class StepInputs:
     num_real_decodes: int = 0
     # (LoRA slot, first token, end token) of each sequence's tokens in the batch; empty: no adapter
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
+    # seq_id -> the draft tokens its rows verify (speculative decoding); its owners appear k + 1 times
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    # seq_id -> where its first token sits in the flattened batch (an EAGLE-3 head reads the target's
+    # hidden states by it); filled for eager steps
+    token_offsets: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_sampled(self) -> int:
@@ -130,6 +138,18 @@ class StepInputs:
         """The one host-to-device copy of the step (non-blocking from pinned memory; none on the CPU)."""
         buf = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
         return self.layout.tensors(buf)
+
+    def attention_metadata(self, t: StepTensors, attn, num_kv_heads: int) -> AttentionMetadata:
+        """What `attn` (a model's PagedAttention, with this many KV heads on this rank) reads of the step."""
+        nd = self.num_decode
+        splits = attn.backend.num_splits(nd, num_kv_heads, self.decode_max_context_len) if nd else None
+        return AttentionMetadata(
+            slot_mapping=t.slot_mapping, num_decode=nd, decode_block_tables=t.decode_block_tables,
+            decode_context_lens=t.decode_context_lens, decode_max_context_len=self.decode_max_context_len,
+            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables,
+            prefill_query_start_loc=t.prefill_query_start_loc, prefill_context_lens=t.prefill_context_lens,
+            prefill_max_query_len=self.prefill_max_query_len, prefill_max_context_len=self.prefill_max_context_len,
+            prefill_spans=self.prefill_spans, step_cache={})
 
 
 class StepInputBuilder:
@@ -179,17 +199,24 @@ class StepInputBuilder:
                   and start + n <= max_len and len(s.block_table) * bs >= start + n
                   and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
                   and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
+            k, ahead = s.num_draft_tokens, s.propose_draft_tokens
             if s.sample is True:
                 banned, mask = s.banned_token_ids, s.token_bitmask
                 ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
+                      and type(k) is int and 0 <= k <= MAX_DRAFT_TOKENS and k < n and (not k or s.num_samples == 1)
+                      and type(ahead) is int and 0 <= ahead <= lim.max_propose and (not ahead or s.num_samples == 1)
+                      and len(s.block_table) * bs >= start + n + ahead
                       and sampling_ok(s.sampling, vocab) and type(banned) is list and len(banned) <= vocab
-                      and (mask is None or (type(mask) is bytes and len(mask) == bitmask_size(vocab))))
+                      and (mask is None or (type(mask) is bytes and len(mask) == (k + 1) * bitmask_size(vocab))))
                 if ok and banned:
                     self._ints(banned, INDEX_LIMIT)
                 if ok and s.penalties is not None and not penalties_ok(s.penalties, vocab, max_len):
                     raise _Refused
-            elif s.sample is not False:
+            elif s.sample is not False or k != 0 or ahead != 0:
                 ok = False
+            nxt = s.next_prompt_token
+            if nxt != -1 and not (type(nxt) is int and 0 <= nxt < vocab and s.sample is False):
+                raise _Refused
             if not ok:
                 raise _Refused
             (decodes if n == 1 else prefills).append(s)
@@ -242,12 +269,19 @@ class StepInputBuilder:
         dst[:len(lens)][np.arange(dst.shape[1])[None, :] < lens[:, None]] = flat
 
     def _rows(self, ordered) -> tuple[list[int], list[SampleRow], list[str]]:
-        """The last token of each sequence that samples, once per requested sample."""
+        """The last token of each sequence that samples, once per requested sample; a sequence with k drafts
+        samples after each of its last k + 1 tokens (services.engine.spec_decode.verify)."""
         sample_idx, rows, owners = [], [], []
         end = 0
+        mask_bytes = bitmask_size(self.limits.vocab_size)
         for s in ordered:
             end += len(s.token_ids)
-            if s.sample:
+            if s.sample and s.num_draft_tokens:
+                k = s.num_draft_tokens
+                sample_idx.extend(range(end - k - 1, end))
+                rows += draft_rows(s, mask_bytes)
+                owners += [s.seq_id] * (k + 1)
+            elif s.sample:
                 for j in range(s.num_samples):
                     sample_idx.append(end - 1)
                     rows.append(SampleRow(s.sampling, s.sample_index + j, s.output_index, s.banned_token_ids,
@@ -309,7 +343,18 @@ class StepInputBuilder:
             raise _Refused  # two sequences writing one KV slot: a copy-on-write the scheduler forgot
         return StepInputs(layout, host, num_tokens, nd, decode_max, max_q, max_ctx, spans, rows, owners,
                           num_copies=len(pairs), num_real_decodes=nd,
-                          lora_segments=self._lora_segments(decodes + prefills))
+                          lora_segments=self._lora_segments(decodes + prefills),
+                          drafts={s.seq_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
+                                  for s in prefills if s.num_draft_tokens},
+                          token_offsets=self._offsets(decodes + prefills))
+
+    @staticmethod
+    def _offsets(ordered) -> dict[str, int]:
+        out, at = {}, 0
+        for s in ordered:
+            out[s.seq_id] = at
+            at += len(s.token_ids)
+        return out
 
     @staticmethod
     def _lora_segments(ordered) -> list[tuple[int, int, int]]:

@@ -18,6 +18,7 @@ from services.contracts.step_protocol import SchedulerOutput, StepFault
 from services.request import limits as L
 
 MAX_NUM_SAMPLES = L.MAX_N  # one prompt's forks sampled in the step its prefill ends (the API's largest n)
+MAX_DRAFT_TOKENS = 16  # draft tokens one sequence verifies in a step (speculative decoding)
 INDEX_LIMIT = 2 ** 63
 
 
@@ -29,6 +30,7 @@ class StepLimits:
     num_kv_blocks: int
     max_model_len: int
     vocab_size: int
+    max_propose: int = 0  # tokens the engine's drafter may be asked to propose (0: it has none)
 
 
 def bitmask_size(vocab_size: int) -> int:
@@ -165,6 +167,7 @@ def _sequence_faults(s, limits: StepLimits) -> list[StepFault]:
                                f"start_pos + len(token_ids) = {start + len(tokens)} needs {need}")
     if s.sample is not True and s.sample is not False:
         bad("sample", f"must be a bool, got {_short(s.sample)}")
+    _check_drafts(s, limits, bad)
     for field in ("sample_index", "output_index"):
         v = getattr(s, field)
         if not _is_int(v) or not 0 <= v < INDEX_LIMIT:
@@ -181,13 +184,43 @@ def _sequence_faults(s, limits: StepLimits) -> list[StepFault]:
         if why:
             bad("banned_token_ids", why)
         mask = s.token_bitmask
-        size = bitmask_size(limits.vocab_size)
+        k = s.num_draft_tokens
+        positions = k + 1 if _is_int(k) and 0 <= k <= MAX_DRAFT_TOKENS else 1
+        size = bitmask_size(limits.vocab_size) * positions
         if mask is not None and (type(mask) is not bytes or len(mask) != size):
             bad("token_bitmask", f"must be {size} bytes (a bit per token id of the vocabulary of "
-                                 f"{limits.vocab_size}), got {_short(mask) if type(mask) is not bytes else len(mask)}")
+                                 f"{limits.vocab_size}, for each of {positions} positions), "
+                                 f"got {_short(mask) if type(mask) is not bytes else len(mask)}")
         if s.penalties is not None:
             out += _penalty_faults(seq_id, s.penalties, limits.vocab_size, limits.max_model_len)
     return out
+
+
+def _check_drafts(s, limits: StepLimits, bad) -> None:
+    """Speculative decoding's fields: drafts only on a row that samples once, fewer than its tokens; a
+    drafter's proposal only where the engine has one, with KV slots for what it writes ahead."""
+    k, ahead, n = s.num_draft_tokens, s.propose_draft_tokens, len(s.token_ids) if isinstance(s.token_ids, list) else 0
+    single = s.sample is True and s.num_samples == 1
+    if not _is_int(k) or not 0 <= k <= MAX_DRAFT_TOKENS:
+        bad("num_draft_tokens", f"must be an integer in [0, {MAX_DRAFT_TOKENS}], got {_short(k)}")
+    elif k and not single:
+        bad("num_draft_tokens", "drafts need a row that samples one token (sample, num_samples == 1)")
+    elif k and k >= n:
+        bad("num_draft_tokens", f"{k} drafts in {n} tokens: at least one token must precede them")
+    nxt = s.next_prompt_token
+    if nxt != -1 and not (_is_int(nxt) and 0 <= nxt < limits.vocab_size and s.sample is False):
+        bad("next_prompt_token", f"must be -1 or, on a chunk that samples nothing, a token id in "
+                                 f"[0, {limits.vocab_size}), got {_short(nxt)}")
+    if not _is_int(ahead) or not 0 <= ahead <= limits.max_propose:
+        bad("propose_draft_tokens", f"must be an integer in [0, {limits.max_propose}] (this engine's drafter), "
+                                    f"got {_short(ahead)}")
+    elif ahead and not single:
+        bad("propose_draft_tokens", "a proposal needs a row that samples one token (sample, num_samples == 1)")
+    elif ahead and _is_int(s.start_pos) and isinstance(s.block_table, list):
+        need = -(-(s.start_pos + n + ahead) // limits.block_size)
+        if len(s.block_table) < need:
+            bad("block_table", f"{len(s.block_table)} blocks leave no KV slots for the {ahead} tokens the drafter "
+                               f"writes past position {s.start_pos + n - 1} (needs {need})")
 
 
 def _written_slot_faults(seqs, limits: StepLimits) -> list[StepFault]:

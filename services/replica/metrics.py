@@ -47,12 +47,30 @@ class _StatsCollector:
             (M.SAMPLED_ROWS, "rows sampled", s.guided.sampled_rows),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        if s.spec_decode is not None:
+            yield from _spec_decode_families(s.spec_decode)
         if s.max_loras:
             # vLLM's form: one series whose labels carry the state and whose value is when it was taken.
             info = GaugeMetricFamily(M.LORA_REQUESTS_INFO, "LoRA adapters of running and waiting requests",
                                      labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
             info.add_metric((",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras)), time.time())
             yield info
+
+
+def _spec_decode_families(d):
+    for name, doc, value in (
+        (M.SPEC_DECODE_NUM_DRAFTS, "Number of spec decoding drafts.", d.num_drafts),
+        (M.SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.", d.num_draft_tokens),
+        (M.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.", d.num_accepted_tokens),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+    per_pos = CounterMetricFamily(M.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS, "Accepted tokens per draft position.",
+                                  labels=("position",))
+    for pos, value in enumerate(d.num_accepted_tokens_per_pos):
+        per_pos.add_metric((str(pos),), value)
+    yield per_pos
+    yield GaugeMetricFamily(M.SPEC_DECODE_KNEE_TOKENS, "step tokens at which a forward pass turns compute-bound "
+                            "(measured)", value=d.knee_tokens)
 
 
 class SchedulerMetrics:

@@ -36,6 +36,7 @@ class ReplicaSettings:
     lora_dir: str | None = None  # where run-time loads may read adapters from (None: nowhere)
     lora_admin_key: str | None = None  # the key of /v1/load_lora_adapter and /v1/unload_lora_adapter
     max_adapters: int = DEFAULT_MAX_ADAPTERS  # adapters held by name at most (on-demand loads stop there)
+    speculative_config: str | None = None  # speculative decoding (JSON; services.contracts.speculative_config)
 
 
 @dataclass
@@ -82,7 +83,7 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
     core = SchedulerCore(executor, tokenizer, max_num_seqs=settings.max_num_seqs,
                       max_num_batched_tokens=settings.max_num_batched_tokens,
                       enable_prefix_caching=settings.enable_prefix_caching, max_model_len=settings.max_model_len,
-                      collect_kv_events=True)
+                      collect_kv_events=True, speculative_config=settings.speculative_config)
     for module in settings.lora_modules:
         name, sep, path = module.partition("=")
         if not sep or not name or not path:

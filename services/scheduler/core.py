@@ -13,6 +13,7 @@ from collections import deque
 from functools import partial
 
 from services.contracts.block_hash import adapter_seed, model_hash_seed, salted_seed
+from services.contracts.speculative_config import SpeculativeConfig
 from services.contracts.step_protocol import (
     EngineUnavailableError,
     ModelRunnerOutput,
@@ -34,6 +35,7 @@ from services.scheduler.request_output import GuidedStats, RequestOutput, Schedu
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.serving_system import serving_system as get_serving_system
+from services.scheduler.spec_decode.speculator import SpecState, Speculator
 from services.scheduler.step_isolation import execute_isolating
 from services.structured_output.compiler import CompiledGrammar, GrammarCompiler
 from services.structured_output.guide import bitmask_bytes, compute_bitmasks
@@ -49,7 +51,7 @@ class SchedulerCore:
     def __init__(self, executor: Executor, tokenizer, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, collect_kv_events: bool = False,
-                 serving_system: str = "pagedserve"):
+                 serving_system: str = "pagedserve", speculative_config: SpeculativeConfig | dict | str | None = None):
         self.executor = executor
         self.info = executor.handshake()
         self.tokenizer = tokenizer
@@ -63,8 +65,9 @@ class SchedulerCore:
         self.pool, self.kv = system.build_kv(
             self.info.num_kv_blocks, self.info.block_size, self.hash_seed, self.max_model_len,
             enable_prefix_caching, self._record_event if self._events is not None else None)
+        self.speculator = self._speculator(SpeculativeConfig.parse(speculative_config))
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                                   system.batching, self.info.max_loras), self.kv)
+                                                   system.batching, self.info.max_loras), self.kv, self.speculator)
         self.loras = LoraRegistry(executor, self.scheduler.loras)
         self.eos_ids = frozenset(self.info.eos_token_ids)
         self.groups: dict[str, RequestGroup] = {}
@@ -81,6 +84,25 @@ class SchedulerCore:
         self.mask_steps = 0
         self.constrained_rows = 0
         self.sampled_rows = 0
+
+    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
+        """The scheduler's half of speculative decoding; a drafter in the engine must be the one configured."""
+        if config is None:
+            if self.info.draft_method:
+                raise ValueError(f"the engine runs a {self.info.draft_method} drafter but this scheduler has no "
+                                 f"speculative config: give both the same --speculative-config")
+            return None
+        if not getattr(self.kv, "supports_sharing", False) or not hasattr(self.kv, "trim"):
+            raise ValueError("speculative decoding needs the paged KV cache (serving system pagedserve)")
+        if config.proposer_in_engine and (self.info.draft_method != config.method
+                                          or self.info.max_draft_tokens < config.num_speculative_tokens):
+            raise ValueError(f"speculative_config.method {config.method!r} with {config.num_speculative_tokens} "
+                             f"tokens needs an engine started with the same config; this engine runs "
+                             f"{self.info.draft_method or 'no drafter'} ({self.info.max_draft_tokens} tokens)")
+        if not config.proposer_in_engine and self.info.draft_method:
+            raise ValueError(f"the engine runs a {self.info.draft_method} drafter but the scheduler's method is "
+                             f"{config.method!r}: give both the same --speculative-config")
+        return Speculator(config, frozenset(self.info.eos_token_ids), self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -119,6 +141,8 @@ class SchedulerCore:
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         req = Sequence(request_id, prompt_token_ids, params, next(self._arrival))
+        if self.speculator is not None and self.speculator.eligible(req):
+            req.drafting = SpecState()
         if grammar is not None:
             req.guide = grammar.new_guide()
         root, lora = self.hash_seed, None
@@ -203,7 +227,10 @@ class SchedulerCore:
         if out.sequences:
             # A failure tied to some sequences fails only their requests; EngineUnavailableError (the
             # engine itself is gone) propagates, and the caller fails everything.
+            start = time.perf_counter()
             step = execute_isolating(self.executor, out, self._canary_ok)
+            if self.speculator is not None and not step.failed:
+                self.speculator.observe_step(out.num_tokens, time.perf_counter() - start)
             for seq_id, why in step.failed.items():
                 self._fail_request_of(seq_id, why, changed)
             self._apply(step.result, changed)
@@ -223,21 +250,25 @@ class SchedulerCore:
         sched = self.scheduler
         rows = constrained = 0
         wanted: list[tuple[Sequence, ScheduledSequence]] = []
+        drafted: list[tuple[Sequence, ScheduledSequence]] = []  # rows with drafts: a mask per position
         for (req, _), s in zip(sched.last_scheduled, out.sequences, strict=True):
             if s.sample:
-                rows += s.num_samples
+                positions = s.num_samples + s.num_draft_tokens
+                rows += positions
                 if req.guide is not None:
-                    constrained += s.num_samples
-                    wanted.append((req, s))
+                    constrained += positions
+                    (drafted if s.num_draft_tokens else wanted).append((req, s))
         self.sampled_rows += rows
-        if not wanted:
+        if not wanted and not drafted:
             return
         start = time.perf_counter()
-        masks = compute_bitmasks([req.guide for req, _ in wanted], self._mask_bytes)
+        for req, s in drafted:  # the scheduler cut the drafts where the grammar refuses them
+            s.token_bitmask = b"".join(req.guide.bitmasks_along(s.token_ids[-s.num_draft_tokens:], self._mask_bytes))
+        masks = compute_bitmasks([req.guide for req, _ in wanted], self._mask_bytes) if wanted else []
         self.constrained_rows += constrained
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
-        dead = []
+        dead = [req for req, _ in drafted if req.guide.error is not None]
         for (req, s), mask in zip(wanted, masks, strict=True):
             s.token_bitmask = mask
             if req.guide.error is not None:
@@ -283,9 +314,14 @@ class SchedulerCore:
         sampled = result.sampled
         logprobs = result.logprobs
         beams: dict[str, RequestGroup] = {}
+        planned = sched.step_drafts
         for req, n in sched.last_scheduled:
             if req.is_finished:
                 continue  # its request failed in this step; its blocks are already back in the pool
+            drafts = planned.drafts.get(req.seq_id)
+            if drafts is not None or req.seq_id in planned.propose:
+                self._apply_speculated(req, n, drafts or [], result, changed)
+                continue
             req.num_computed_tokens += n
             self.kv.commit(req)
             tokens = sampled.get(req.seq_id)
@@ -316,6 +352,36 @@ class SchedulerCore:
                 self.generation_tokens += beam_requests.advance(group.beam, group.seqs, self.kv, sched,
                                                                 partial(self._branch, group))
                 changed[group.request_id] = group
+
+    def _apply_speculated(self, req: Sequence, n: int, drafts: list[int], result: ModelRunnerOutput,
+                          changed: dict[str, RequestGroup]) -> None:
+        """A row that carried drafts (or KV slots for the engine's drafter): commit the tokens the engine
+        kept one at a time, exactly as that many steps without speculation would (prefix-cache blocks,
+        stop conditions, grammar), then give back the blocks past the committed tokens."""
+        tokens = result.sampled.get(req.seq_id)
+        if tokens is None:
+            req.num_computed_tokens += n  # a prefill chunk that samples nothing
+            self.kv.commit(req)
+            self.kv.trim(req, req.num_tokens)
+            return
+        if not 1 <= len(tokens) <= len(drafts) + 1 or tokens[:len(tokens) - 1] != drafts[:len(tokens) - 1]:
+            raise AssertionError(f"{req.seq_id}: the engine committed {tokens} for drafts {drafts}")
+        if drafts:
+            self.speculator.verified(req, len(drafts), len(tokens) - 1)
+        group = self.groups[req.request_id]
+        changed[req.request_id] = group
+        lps = result.logprobs.get(req.seq_id)
+        for i, token in enumerate(tokens):
+            # Position start + n - 1 + i now holds a committed token whose KV this step computed.
+            req.num_computed_tokens += n if i == 0 else 1
+            self.kv.commit(req)
+            self._on_token(req, token, lps[i] if lps else None)
+            if req.is_finished:
+                return
+        self.kv.trim(req, req.num_tokens)
+        proposed = result.draft_token_ids.get(req.seq_id)
+        if proposed is not None:
+            self.speculator.proposed(req, proposed)
 
     def _branch(self, group: RequestGroup, parent: Sequence) -> Sequence:
         group.next_beam_index += 1
@@ -373,7 +439,8 @@ class SchedulerCore:
                                self.grammars.stats.cache_hits, self.grammars.stats.failures, self.mask_steps,
                                self.mask_seconds, self.constrained_rows, self.sampled_rows),
             max_loras=self.info.max_loras, running_loras=_lora_names(sched.running),
-            waiting_loras=_lora_names(sched.waiting))
+            waiting_loras=_lora_names(sched.waiting),
+            spec_decode=self.speculator.snapshot() if self.speculator is not None else None)
 
     def _record_event(self, event: KVEvent) -> None:
         self._events.append(event)

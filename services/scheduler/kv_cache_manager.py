@@ -113,6 +113,20 @@ class KVCacheManager:
                 break  # everything before it was registered earlier
             self.pool.register(table[i], req.block_hashes[i], i)
 
+    def trim(self, req: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` positions: rejected draft tokens' and the slots a
+        drafter wrote ahead into. They hold nothing committed, so none was ever hashed."""
+        table = self.tables.get(req.seq_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        ids = self.block_ids[req.seq_id]
+        while len(table) > keep:
+            block = table.pop()
+            ids.pop()
+            assert block.block_hash is None or self.pool.cached.get(block.block_hash) is not block, block
+            self.pool.free(block)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.tables[parent.seq_id]
         for b in table:

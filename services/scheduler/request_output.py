@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.contracts.step_protocol import TokenLogprobs
+from services.scheduler.spec_decode.speculator import SpecDecodeStats
 
 
 @dataclass
@@ -60,3 +61,4 @@ class SchedulerStats:
     max_loras: int = 0
     running_loras: tuple[str, ...] = ()  # names of the LoRA adapters of running requests
     waiting_loras: tuple[str, ...] = ()
+    spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding

@@ -18,6 +18,7 @@ from services.scheduler.batching import Batching
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.lora_residency import LoraResidency
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.spec_decode.speculator import Speculator, StepDrafts
 
 # A request waits at most this many steps for blocks another request is computing (bounded, so FCFS
 # admission never turns into starvation).
@@ -43,8 +44,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator
+        self.step_drafts = StepDrafts()  # the drafts of the last step scheduled (speculative decoding)
+        # The engine's drafter is an EAGLE-3 head: a chunk that does not end its prompt carries the next token.
+        self.wants_next_prompt_token = speculator is not None and speculator.config.method == "eagle3"
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -161,6 +166,8 @@ class Scheduler:
             if req.lora is not None:
                 active.add(req.lora.digest)
         self.waiting.extendleft(reversed(deferred))
+        self.step_drafts = self._add_drafts(scheduled, budget) if self.speculator is not None and scheduled else (
+            StepDrafts())
         if not scheduled and self.running:
             # Nothing can run: every running sequence is a beam waiting for siblings that cannot be admitted
             # while it holds its blocks (or a prompt chunk that finds none). Free the newest to break the wait.
@@ -176,6 +183,19 @@ class Scheduler:
             lora_slots=sorted((slot, d) for d, slot in slots.items()),
         )
 
+    def _add_drafts(self, scheduled: list[tuple[Sequence, int]], budget: int) -> StepDrafts:
+        """Draft tokens for this step's rows, in the budget left (services.scheduler.spec_decode), with KV
+        slots for them and for what the engine's drafter writes past them; a row whose slots are short
+        runs without (drafts never preempt anyone)."""
+        plan = self.speculator.plan(scheduled, sum(n for _, n in scheduled), budget, len(self.running))
+        for req, n in scheduled:
+            drafts = plan.drafts.get(req.seq_id, ())
+            ahead = plan.propose.get(req.seq_id, 0)
+            if (drafts or ahead) and not self.kv.allocate_slots(req, n + len(drafts) + ahead):
+                plan.drafts.pop(req.seq_id, None)
+                plan.propose.pop(req.seq_id, None)
+        return plan
+
     def _lora_slots(self, scheduled: list[tuple[Sequence, int]]) -> dict[str, int]:
         used = self.loras.active(req for req, _ in scheduled)
         return self.loras.assign(used, self.loras.active(self.running)) if used else {}
@@ -183,9 +203,11 @@ class Scheduler:
     def _describe(self, req: Sequence, n: int, slots: dict[str, int]) -> ScheduledSequence:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
+        drafts = self.step_drafts.drafts.get(req.seq_id)
+        tokens = req.token_ids[start:start + n]
         return ScheduledSequence(
             seq_id=req.seq_id,
-            token_ids=req.token_ids[start:start + n],
+            token_ids=tokens if drafts is None else tokens + drafts,
             start_pos=start,
             block_table=self.kv.block_ids[req.seq_id],
             sample=sample,
@@ -196,6 +218,9 @@ class Scheduler:
             banned_token_ids=req.min_tokens_banned if sample and req.num_output_tokens < req.params.min_tokens else [],
             penalties=req.penalty_spec() if sample and req.penalties is not None else None,
             lora_slot=-1 if req.lora is None else slots[req.lora.digest],
+            num_draft_tokens=0 if drafts is None else len(drafts),
+            propose_draft_tokens=self.step_drafts.propose.get(req.seq_id, 0),
+            next_prompt_token=req.token_ids[start + n] if not sample and self.wants_next_prompt_token else -1,
         )
 
     def _blocks_in_flight(self) -> set[int]:

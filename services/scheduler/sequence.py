@@ -44,7 +44,7 @@ class Sequence:
                  "num_computed_tokens", "status", "arrival", "stop_reason", "num_cached_tokens", "block_hashes",
                  "logprobs", "forked", "detokenizer", "num_preemptions", "num_deferrals", "min_tokens_banned",
                  "hash_root", "guide", "penalties", "cumulative_logprob", "beam_candidates", "beam_group", "lora",
-                 "num_lora_waits")
+                 "num_lora_waits", "drafting")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
                  sample_index: int = 0):
@@ -81,6 +81,8 @@ class Sequence:
         # The request's bias/penalties/min_p without history (None: it has none); see `penalty_spec`.
         self.penalties = penalty_template(params, prompt_token_ids)
         self.cumulative_logprob = 0.0  # of the sampled tokens (ranks best_of samples)
+        # Speculative decoding: its draft state (services.scheduler.spec_decode; set by the core), or None.
+        self.drafting = None
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +130,8 @@ class Sequence:
         # The parent's guide has not advanced past the prompt yet: the child starts from the same state.
         child.guide = self.guide.clone() if self.guide is not None else None
         child.penalties = self.penalties
+        # Its own drafts and acceptance (a fresh state of the same kind).
+        child.drafting = type(self.drafting)() if self.drafting is not None else None
         child.status = SequenceStatus.RUNNING
         return child
 

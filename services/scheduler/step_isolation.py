@@ -67,6 +67,7 @@ def _isolate(executor: Executor, out: SchedulerOutput, exc: Exception) -> Isolat
     right = _run(executor, _subset(out, out.sequences[half:]))
     left.result.sampled.update(right.result.sampled)
     left.result.logprobs.update(right.result.logprobs)
+    left.result.draft_token_ids.update(right.result.draft_token_ids)
     left.failed.update(right.failed)
     return left
 

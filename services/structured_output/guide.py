@@ -57,6 +57,27 @@ class SequenceGuide:
             return False
         return self._matcher.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would accept from here (the state is unchanged)."""
+        return self._matcher.validate_tokens(tokens)
+
+    def bitmasks_along(self, tokens: list[int], num_bytes: int) -> list[bytes]:
+        """The masks before each of `tokens` and after the last (len + 1 of them), as if they were
+        committed; the state is rolled back after. `tokens` must be a valid prefix (`valid_prefix`)."""
+        masks = [self.bitmask(num_bytes)]
+        m = self._matcher
+        consumed = 0
+        try:
+            for t in tokens:
+                if not m.consume_token(t):
+                    raise AssertionError(f"draft token {t} was validated but the grammar refuses it")
+                consumed += 1
+                masks.append(self.bitmask(num_bytes))
+        finally:
+            if consumed:
+                m.rollback(consumed)
+        return masks
+
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more: the sequence ends here."""

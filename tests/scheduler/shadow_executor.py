@@ -33,7 +33,12 @@ def allowed_choice(bitmask: bytes, draw: int) -> int:
 
 
 class ShadowExecutor:
-    def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 1000, max_model_len: int = 4096):
+    """`copying`: the next token repeats what followed the last token's previous occurrence (so n-gram drafts
+    are often right), otherwise a hash of the context. Rows with drafts are verified as the engine does:
+    the token after each position is computed, and drafts are kept while they agree."""
+
+    def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 1000, max_model_len: int = 4096,
+                 copying: bool = False):
         self.info = EngineInfo("shadow", block_size, num_blocks, max_model_len, vocab_size, "float32", "cpu", [EOS])
         self.slots: dict[int, int] = {}
         self.history: dict[str, list[int]] = {}
@@ -41,12 +46,21 @@ class ShadowExecutor:
         self.on_execute = None  # test hook, called with each SchedulerOutput before it runs
         self.eos_after: dict[str, int] = {}  # seq_id -> emit EOS once this many tokens exist
         self.lookup = None  # seq_id -> the scheduler's token list (to check prefix-cache hits)
+        self.copying = copying
+        self.drafts_seen = self.drafts_kept = 0
 
     def handshake(self) -> EngineInfo:
         return self.info
 
     def next_token(self, context: list[int]) -> int:
-        return (sum(context) * 7 + len(context) * 13) % (self.info.vocab_size - 10) + 10
+        h = (sum(context) * 7 + len(context) * 13) % (self.info.vocab_size - 10) + 10
+        body = context[:-1]  # every caller appends the sample index to the tokens
+        if self.copying and len(body) > 1 and h % 5:  # one token in five breaks the pattern
+            last = body[-1]
+            for i in range(len(body) - 2, -1, -1):
+                if body[i] == last:
+                    return body[i + 1]
+        return h
 
     def top_logprobs(self, context: list[int], token: int, k: int) -> TokenLogprobs:
         """k distinct alternatives with context-dependent logprobs (beam search ranks them); EOS among
@@ -72,7 +86,9 @@ class ShadowExecutor:
             hist = self.history.setdefault(s.seq_id, [])
             if s.start_pos > len(hist) and self.lookup is not None:
                 hist[:] = self.lookup(s.seq_id)[:s.start_pos]  # a prefix hit: positions it never computed
-            for i, tok in enumerate(s.token_ids):
+            k = s.num_draft_tokens
+            real, drafts = s.token_ids[:len(s.token_ids) - k], s.token_ids[len(s.token_ids) - k:]
+            for i, tok in enumerate(real):
                 p = s.start_pos + i
                 if p < len(hist):
                     assert hist[p] == tok, f"{s.seq_id}: token at {p} changed"
@@ -85,7 +101,27 @@ class ShadowExecutor:
             for i, tok in enumerate(s.token_ids):
                 p = s.start_pos + i
                 self.slots[s.block_table[p // bs] * bs + p % bs] = tok
-            if s.sample:
+            if s.sample and k:
+                assert s.num_samples == 1
+                ctx = hist[:s.start_pos + len(real)]
+                mb = len(s.token_bitmask) // (k + 1) if s.token_bitmask is not None else 0
+                toks = []
+                for i in range(k + 1):
+                    t = self.next_token(ctx + drafts[:i] + [0])  # as the plain path: context + [sample index]
+                    if s.token_bitmask is not None:
+                        t = allowed_choice(s.token_bitmask[i * mb:(i + 1) * mb], t)
+                    elif len(ctx) + i + 1 >= self.eos_after.get(s.seq_id, 1 << 30):
+                        t = EOS
+                    toks.append(t)
+                    if i == k or t != drafts[i]:
+                        break
+                self.drafts_seen += k
+                self.drafts_kept += len(toks) - 1
+                hist += drafts[:len(toks) - 1]  # the accepted drafts are committed at their positions
+                result.sampled[s.seq_id] = toks
+                if s.sampling.logprobs is not None:
+                    result.logprobs[s.seq_id] = [TokenLogprobs(-0.5, [t], [-0.5]) for t in toks]
+            elif s.sample:
                 ctx = hist[:s.start_pos + len(s.token_ids)]
                 toks = []
                 for j in range(s.num_samples):

@@ -190,6 +190,23 @@ tokenizer alone. "true" when that happens.
 {{- end }}
 {{- define "pagedserve.convertedMountPath" -}}/converted{{- end }}
 
+{{/*
+--speculative-config of the engine and the scheduler (both get the same JSON); a draft model's path is
+inside the model volume. Empty when speculativeConfig is {}.
+*/}}
+{{- define "pagedserve.speculativeConfigArg" -}}
+{{- $s := deepCopy (default (dict) .Values.speculativeConfig) }}
+{{- if $s }}
+{{- if hasKey $s "model" }}
+{{- if eq .Values.model.source "bundled" }}
+{{- fail "speculativeConfig.model: a draft model is read from the model volume; set model.source to pvc or hostPath" }}
+{{- end }}
+{{- $_ := set $s "model" (printf "%s/%s" (include "pagedserve.modelMountPath" .) (trimPrefix "/" $s.model)) }}
+{{- end }}
+- --speculative-config={{ toJson $s }}
+{{- end }}
+{{- end }}
+
 {{/* --model of the engine and the scheduler: the source, or its conversion. */}}
 {{- define "pagedserve.servingModelArg" -}}
 {{- if include "pagedserve.converting" . }}{{ include "pagedserve.convertedMountPath" . }}/model{{ else }}{{ include "pagedserve.modelArg" . }}{{ end }}

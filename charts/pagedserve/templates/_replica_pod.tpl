@@ -129,6 +129,9 @@ spec:
         {{- with include "pagedserve.loraSchedulerArgs" $root }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- with include "pagedserve.speculativeConfigArg" $root }}
+        {{- . | nindent 8 }}
+        {{- end }}
         - --log-level={{ $root.Values.logLevel }}
         {{- range $r.scheduler.extraArgs }}
         - {{ . | quote }}
@@ -386,6 +389,9 @@ The engine flags every rank of a replica gets (rank 0's `engine` and the workers
 {{- end }}
 {{- end }}
 {{- with include "pagedserve.loraEngineArgs" . }}
+{{ . }}
+{{- end }}
+{{- with include "pagedserve.speculativeConfigArg" . }}
 {{ . }}
 {{- end }}
 - --log-level={{ .Values.logLevel }}

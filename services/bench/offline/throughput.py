@@ -49,7 +49,13 @@ def run_ours(llm, requests) -> dict:
     elapsed = time.perf_counter() - start
     llm.step_hook = None
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"system": "pagedserve", "output_tokens": n, "seconds": elapsed, "tokens_per_s": n / elapsed,
+    spec = core.stats().spec_decode
+    speculation = None if spec is None else {
+        "acceptance_rate": spec.acceptance_rate, "mean_acceptance_length": spec.mean_acceptance_length,
+        "drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens, "accepted_tokens": spec.num_accepted_tokens,
+        "knee_tokens": spec.knee_tokens}
+    return {"system": "pagedserve" if spec is None else "pagedserve (speculative decoding)", "output_tokens": n,
+            "seconds": elapsed, "tokens_per_s": n / elapsed, "spec_decode": speculation,
             "kv_efficiency_at_peak": observer.efficiency_at_peak, "peak_kv_blocks": observer.peak_blocks,
             "scheduler_ms_per_step": observer.sched_ms_per_step, "steps": observer.steps,
             "max_running": observer.max_running, "preemptions": core.scheduler.num_preemptions,
@@ -101,7 +107,8 @@ def run(args) -> int:
             Path(args.json_path).write_text(json.dumps(report, indent=2))
         return 0
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
+              max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp,
+              speculative_config=getattr(args, "speculative_config", None))
     requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
     print(f"workload {args.workload}: {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
@@ -146,3 +153,8 @@ def _print_table(report: dict) -> None:
           f"(max {ours['max_running']} running); {report['scheduler_ms_per_step_at_256_running']:.3f} ms "
           f"at 256 running (null engine)")
     print(f"preemptions: {ours['preemptions']}, prefix-cache hit tokens: {ours['prefix_hit_tokens']}")
+    spec = ours.get("spec_decode")
+    if spec is not None:
+        print(f"speculative decoding: acceptance rate {spec['acceptance_rate']}, mean acceptance length "
+              f"{spec['mean_acceptance_length']} ({spec['draft_tokens']} draft tokens; knee {spec['knee_tokens']:.1f} "
+              f"tokens)")

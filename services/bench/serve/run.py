@@ -62,6 +62,37 @@ def mask_cost(before: dict | None, after: dict | None) -> dict | None:
             "constrained_share_of_rows": round(d[M.GUIDED_CONSTRAINED_ROWS] / max(1.0, d[M.SAMPLED_ROWS]), 3)}
 
 
+_SPEC = (M.SPEC_DECODE_NUM_DRAFTS, M.SPEC_DECODE_NUM_DRAFT_TOKENS, M.SPEC_DECODE_NUM_ACCEPTED_TOKENS)
+
+
+def spec_counters(url: str) -> dict[str, float] | None:
+    """The speculative-decoding counters a server exports under vLLM's names (None: it does not speculate)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for name in _SPEC:
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+        if m is None:
+            return None
+        found[name] = float(m.group(1))
+    return found
+
+
+def spec_summary(before: dict | None, after: dict | None) -> dict | None:
+    """Acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts, vLLM's
+    convention) over one rate's run."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in _SPEC}
+    drafts, drafted = d[M.SPEC_DECODE_NUM_DRAFTS], d[M.SPEC_DECODE_NUM_DRAFT_TOKENS]
+    accepted = d[M.SPEC_DECODE_NUM_ACCEPTED_TOKENS]
+    return {"drafts": int(drafts), "draft_tokens": int(drafted), "accepted_tokens": int(accepted),
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
+
+
 def parse_rates(text: str) -> list[float]:
     """'1,2,4' (req/s) or 'inf' / 'max' (every request at once)."""
     rates = [math.inf if r.strip() in ("inf", "max") else float(r) for r in text.split(",") if r.strip()]
@@ -137,8 +168,12 @@ def run(args) -> int:
     systems: list[tuple[str, object]] = []
     if args.endpoint:
         systems.append(("endpoint", args.endpoint.rstrip("/")))
+    spec = getattr(args, "speculative_config", None)
     for mode in [m.strip() for m in (args.systems or "").split(",") if m.strip()]:
         systems.append((f"pagedserve {mode}", lambda port, mode=mode: pagedserve_server(mode, args, port, log_dir)))
+        if spec:  # the same server with speculative decoding, right after it on the same workload
+            systems.append((f"pagedserve {mode} +spec", lambda port, mode=mode: pagedserve_server(
+                mode, args, port, log_dir, ["--speculative-config", spec], log_name=f"pagedserve-{mode}-spec")))
     if args.against == "vllm":
         model_dir = resolve_model(args.model)
         served = args.served_model_name or "SmolLM2-135M-Instruct"
@@ -171,14 +206,17 @@ def run(args) -> int:
                                                             mask_cost) for r in rates]}
                 continue
             for rate, requests in zip(rates, workloads, strict=True):
-                before = guided_counters(url)
+                before, spec_before = guided_counters(url), spec_counters(url)
                 results, duration = asyncio.run(run_load(url, model, requests, rate, args.arrival, args.burstiness,
                                                          args.concurrency, args.seed, not args.no_ignore_eos))
                 summary = summarize(results, duration, slo)
                 summary["rate"] = rate
                 summary["structured"] = mask_cost(before, guided_counters(url))
+                summary["spec_decode"] = spec_summary(spec_before, spec_counters(url))
                 if summary["structured"]:
                     print(f"  structured: {summary['structured']}", flush=True)
+                if summary["spec_decode"]:
+                    print(f"  speculative decoding: {summary['spec_decode']}", flush=True)
                 report["systems"][name].append(summary)
                 print(_row(name, rate, summary), flush=True)
         finally:
@@ -188,6 +226,12 @@ def run(args) -> int:
     for name, runs in report["systems"].items():
         for s in runs:
             print(_row(name, s["rate"], s))
+    for name, runs in report["systems"].items():
+        for s in runs:
+            if s.get("spec_decode"):
+                d = s["spec_decode"]
+                print(f"{name} at rate {s['rate']:g}: acceptance rate {d['acceptance_rate']}, mean acceptance "
+                      f"length {d['mean_acceptance_length']} ({d['draft_tokens']} draft tokens)")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2, default=str))
     if args.plot:

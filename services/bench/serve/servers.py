@@ -53,7 +53,8 @@ class StartedServer:
         self._log.close()
 
 
-def pagedserve_server(mode: str, args, port: int, log_dir: Path, extra: list[str] | None = None) -> StartedServer:
+def pagedserve_server(mode: str, args, port: int, log_dir: Path, extra: list[str] | None = None,
+                      log_name: str | None = None) -> StartedServer:
     argv = [sys.executable, "-m", "services.commands.cli", mode, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
             str(args.max_model_len), "--log-level", "warning", *(extra or [])]
@@ -62,7 +63,7 @@ def pagedserve_server(mode: str, args, port: int, log_dir: Path, extra: list[str
     if mode == "up":
         argv += ["--replicas", "1"]
     return StartedServer(f"pagedserve {mode}", argv, dict(os.environ), f"http://127.0.0.1:{port}",
-                         log_dir / f"pagedserve-{mode}.log")
+                         log_dir / f"{log_name or f'pagedserve-{mode}'}.log")
 
 
 def vllm_server(args, port: int, model_dir: Path, served_name: str, log_dir: Path) -> StartedServer:
