@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from services.engine.llama import LlamaConfig, LlamaModel
+from services.engine.quant.scheme import QuantizationConfigError, parse_quantization
 from services.engine.tp_shard import TensorParallelShard
 
 if TYPE_CHECKING:
@@ -80,6 +81,10 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     """The model (this rank's shard of it when `group` is given) and its Hugging Face config."""
     model_dir = Path(model_dir)
     hf_cfg = read_config(model_dir)
+    scheme = parse_quantization(hf_cfg)  # refuses, by method and field, what it does not serve
+    if scheme is not None:
+        raise QuantizationConfigError(scheme.method, "quant_method", "recognised, but this engine does not load "
+                                                                     "quantized weights yet")
     config = LlamaConfig.from_hf(hf_cfg)
     shard = plan_shard(config, group)
     ckpt = Checkpoint(model_dir)
