@@ -252,6 +252,12 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 torch::Tensor bf16_gemm_pack(torch::Tensor w);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
 bool bf16_gemm_supported();
+// Defined in quant_gemm.cpp.
+torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int64_t group_size, torch::Tensor scale,
+                         c10::optional<torch::Tensor> offset, c10::optional<torch::Tensor> zero, double zero_const,
+                         int64_t out_features, c10::optional<torch::Tensor> bias,
+                         c10::optional<torch::Tensor> row_scale);
+bool quant_gemm_supported();
 // Defined in prefill_bf16.cpp.
 torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset);
 bool prefill_bf16_supported(int64_t head_dim);
@@ -274,6 +280,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "a bfloat16 [N, K] weight in bf16_gemm's panel layout");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T (+ bias) over a packed bfloat16 weight (AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether this build has the AVX512-BF16 GEMM");
+  m.def("quant_gemm", &quant_gemm, "x @ dequantize(codes).T (+ bias) over 4-bit, 8-bit or fp8 codes (AVX512-BF16)",
+        py::arg("x"), py::arg("codes"), py::arg("kind"), py::arg("group_size"), py::arg("scale"), py::arg("offset"),
+        py::arg("zero"), py::arg("zero_const"), py::arg("out_features"), py::arg("bias"), py::arg("row_scale"));
+  m.def("quant_gemm_supported", &quant_gemm_supported, "whether this build has the quantized GEMM");
   m.def("prefill_bf16", &prefill_bf16, "causal attention of new tokens over their keys, after q_offset earlier ones (AVX512-BF16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("q_offset") = 0);
   m.def("prefill_bf16_supported", &prefill_bf16_supported, "whether prefill_bf16 takes this head_dim here");
