@@ -29,7 +29,8 @@ class LLM:
                  enable_prefix_caching: bool = True, device: str = "auto", kv_cache_memory: str | int = "4G",
                  max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve",
-                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None):
+                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         from services.engine.tp_launch import start_runner
 
         # tensor_parallel_size > 1: this process is rank 0 and starts the other ranks as child processes.
@@ -38,7 +39,8 @@ class LLM:
             kv_cache_memory=parse_bytes(kv_cache_memory), max_model_len=max_model_len,
             attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size, tp_timeout=tp_timeout, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras))
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,

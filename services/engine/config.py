@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from services.contracts.byte_size import parse_bytes
 
 LOAD_FORMATS = ("safetensors", "random")
+QUANTIZATIONS = (None, "gguf", "fp8", "gptq", "awq", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -34,6 +36,10 @@ class EngineConfig:
     max_loras: int = 0  # LoRA adapter slots resident at once (0: no adapters)
     max_lora_rank: int = 16  # the rank every slot is padded to; an adapter of higher rank is refused
     max_cpu_loras: int | None = None  # loaded adapters kept in host memory (default: max(max_loras, 8))
+    # What the checkpoint's weights must be (vLLM's --quantization); "gguf": a GGUF file's weights are read
+    # as they are instead of being converted to a float checkpoint. None: whatever the checkpoint says.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-tensor scales
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
@@ -49,6 +55,11 @@ class EngineConfig:
             raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
         if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank must be an integer in [1, 512], got {self.max_lora_rank!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, got "
+                             f"{self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.tp_timeout > 0:
             raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
 
@@ -71,7 +82,8 @@ class EngineConfig:
                    tensor_parallel_size=opt("tensor_parallel_size", 1), tp_local_ranks=opt("tp_local_ranks", None),
                    tp_rendezvous=opt("tp_rendezvous", None), tp_timeout=opt("tp_timeout", 60.0),
                    max_loras=opt("max_loras", 0), max_lora_rank=opt("max_lora_rank", 16),
-                   max_cpu_loras=opt("max_cpu_loras", None))
+                   max_cpu_loras=opt("max_cpu_loras", None), quantization=opt("quantization", None),
+                   kv_cache_dtype=opt("kv_cache_dtype", "auto"))
 
     def as_flags(self) -> list[str]:
         """The flags that rebuild this config (`from_args(parse(as_flags()))` equals it)."""

@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from services.engine.llama import LlamaConfig, LlamaModel
 from services.engine.quant.projections import QuantizedCheckpoint
-from services.engine.quant.scheme import parse_quantization
+from services.engine.quant.formats.gguf_tensors import GgufCheckpoint
+from services.engine.quant.scheme import check_requested, parse_quantization
 from services.engine.tp_shard import TensorParallelShard
 
 if TYPE_CHECKING:
@@ -78,15 +79,21 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
-               group: RankGroup | None = None) -> tuple[LlamaModel, dict]:
-    """The model (this rank's shard of it when `group` is given) and its Hugging Face config."""
+               group: RankGroup | None = None, quantization: str | None = None,
+               gguf: Path | None = None) -> tuple[LlamaModel, dict]:
+    """The model (this rank's shard of it when `group` is given) and its Hugging Face config. `gguf`: a GGUF
+    file whose weights are read as they are (`model_dir` then holds its config and tokenizer);
+    `quantization`: what --quantization asked for (a checkpoint of another kind is refused)."""
     model_dir = Path(model_dir)
     hf_cfg = read_config(model_dir)
-    scheme = parse_quantization(hf_cfg)  # refuses, by method and field, what it does not serve
+    # Refuses, by method and field, what it does not serve. A GGUF file's config was extracted without its
+    # quantization_config: its tensors carry their types.
+    scheme = None if gguf is not None else parse_quantization(hf_cfg)
+    check_requested(scheme, quantization, gguf is not None)
     config = LlamaConfig.from_hf(hf_cfg)
     shard = plan_shard(config, group)
-    ckpt = Checkpoint(model_dir)
-    quantized = None if scheme is None else QuantizedCheckpoint(ckpt, scheme, device, dtype)
+    ckpt = GgufCheckpoint(gguf) if gguf is not None else Checkpoint(model_dir)
+    quantized = None if scheme is None and gguf is None else QuantizedCheckpoint(ckpt, scheme, device, dtype)
     whole = shard is None
     q, kv = (None, None) if whole else (shard.q_rows, shard.kv_rows)
     mlp = None if whole else shard.mlp_rows
@@ -125,8 +132,9 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         layers.append(layer)
 
     def vocab_rows(name: str):
-        if quantized is not None and name == "lm_head.weight":
-            return quantized.projection(["lm_head"], [vocab], pad_rows=None if whole else shard.vocab_shard)
+        if quantized is not None:  # a packed LM head (or GGUF's packed token embedding) where the file has one
+            return quantized.projection([name.removesuffix(".weight")], [vocab],
+                                        pad_rows=None if whole else shard.vocab_shard)
         x = ckpt.read(name, vocab)
         return put(x if whole else _pad_rows(x, shard.vocab_shard))
 

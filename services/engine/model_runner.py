@@ -37,7 +37,7 @@ from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
 from services.model_files.lora_files import AdapterError
-from services.model_files.model_source import model_id_of, resolve_model
+from services.model_files.model_source import model_id_of, resolve_model, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,9 @@ class ModelRunner:
         if random_weights is None and config.load_format == "random":
             random_weights = read_config(resolve_model(config.model))
         if random_weights is None:
-            self.model_dir = resolve_model(config.model)
-            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group)
+            self.model_dir, gguf = resolve_weights(config.model, config.quantization)
+            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group,
+                                            quantization=config.quantization, gguf=gguf)
             model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
         else:
             self.model_dir, hf_cfg = None, random_weights

@@ -15,8 +15,8 @@ projections go through, not only Llama's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
