@@ -120,7 +120,8 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
                          int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores,
                          float* acc, float* row) {
 #if defined(__AVX512F__)
-  if constexpr (!std::is_same<T, double>::value) {
+  // float8 caches take the portable path (rows widened through a 256-entry table).
+  if constexpr (!std::is_same<T, double>::value && !std::is_same<T, c10::Float8_e4m3fn>::value) {
   if (attend_group_fast<T>(qf, kc, vc, table, L, G, D, BS, c_s0, c_s1, h_off, scores, acc)) return;
   if (D % 16 == 0 && D <= 256) {
     const int64_t C = D / 16;
@@ -168,8 +169,10 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
   }
 }
 
-template <typename T>
-static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T* __restrict vc,
+// T: the queries' and outputs' type; C: the cache's (T, or float8_e4m3fn for an FP8 cache, whose per-tensor
+// scales the caller folds into `scale` and the output).
+template <typename T, typename C = T>
+static void decode_kernel(const T* __restrict q, const C* __restrict kc, const C* __restrict vc,
                           const int32_t* __restrict bt, const int32_t* __restrict cl, T* __restrict out,
                           int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t BS, int64_t MB,
                           int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1, int64_t c_s2,
@@ -185,7 +188,7 @@ static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
       }
       scores.resize(G * L);
-      attend_group<T>(qf.data(), kc, vc, bt + s * MB, L, G, D, BS, c_s0, c_s1, h * c_s2, scores.data(),
+      attend_group<C>(qf.data(), kc, vc, bt + s * MB, L, G, D, BS, c_s0, c_s1, h * c_s2, scores.data(),
                       acc.data(), row.data());
       for (int64_t g = 0; g < G; ++g) {
         T* op = out + s * o_s0 + (h * G + g) * o_s1;
@@ -227,6 +230,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                out.stride(0), out.stride(1), static_cast<float>(scale)))
         return out;
   }
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(v_cache.scalar_type() == at::kFloat8_e4m3fn, "k_cache and v_cache must share a dtype");
+    using F8 = c10::Float8_e4m3fn;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_fp8", [&] {
+      decode_kernel<scalar_t, F8>(q.data_ptr<scalar_t>(), k_cache.data_ptr<F8>(), v_cache.data_ptr<F8>(),
+                                  block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                                  out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
+                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+                                  out.stride(1), static_cast<float>(scale));
+    });
+    return out;
+  }
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "the caches are the queries' dtype or float8_e4m3fn");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),

@@ -117,6 +117,10 @@ class LlamaModel:
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                     dtype, device)
         self.attn = PagedAttention(attention_backend, device)
+        # An FP8 KV cache's per-layer (k_scale, v_scale) (set by the model runner; None: the model's dtype),
+        # and those the checkpoint carries (set by the loader).
+        self.kv_scales: list[tuple[float, float]] | None = None
+        self.checkpoint_kv_scales: list[tuple[float, float]] | None = None
         # Fused C++ elementwise kernels on the CPU in half precision; float32 keeps the op-for-op
         # Hugging Face arithmetic so its outputs stay bit-comparable in the parity tests.
         self.fused = None
@@ -158,7 +162,8 @@ class LlamaModel:
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
                 q, k = self.rope(positions, q.view(T, heads, c.head_dim), k.view(T, kv_heads, c.head_dim))
             v = v.view(T, kv_heads, c.head_dim)
-            o = self.attn(q, k, v, k_cache, v_cache, meta, self.scale)
+            o = self.attn(q, k, v, k_cache, v_cache, meta, self.scale,
+                          None if self.kv_scales is None else self.kv_scales[i])
             o = o.reshape(T, self.q_size)
             delta = layer["o"](o)
             if lora is not None:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from services.engine.kv_cache_fp8 import read_kv_scales
 from services.engine.llama import LlamaConfig, LlamaModel
-from services.engine.quant.projections import QuantizedCheckpoint
 from services.engine.quant.formats.gguf_tensors import GgufCheckpoint
+from services.engine.quant.projections import QuantizedCheckpoint
 from services.engine.quant.scheme import check_requested, parse_quantization
 from services.engine.tp_shard import TensorParallelShard
 
@@ -142,7 +143,9 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     stored_head = any(f"lm_head.{t}" in ckpt for t in ("weight", "qweight", "weight_packed"))
     lm_head = vocab_rows("lm_head.weight") if stored_head and not config.tie_word_embeddings else embed
     weights = {"embed": embed, "layers": layers, "norm": put(ckpt.read("norm.weight")), "lm_head": lm_head}
-    return LlamaModel(config, weights, device, dtype, attention_backend, group, shard), hf_cfg
+    model = LlamaModel(config, weights, device, dtype, attention_backend, group, shard)
+    model.checkpoint_kv_scales = read_kv_scales(ckpt, config.num_layers)
+    return model, hf_cfg
 
 
 def random_llama(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",

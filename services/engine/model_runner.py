@@ -25,6 +25,7 @@ import kernels.cpu as cpu_kernels
 from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
+from services.engine.kv_cache_fp8 import cache_dtype
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from services.engine.kernel_warmup import warm_up
 from services.engine.load_memory import RankMemory, memory_in_use
@@ -122,13 +123,17 @@ class ModelRunner:
         cfg = self.model.config
         self.block_size = block_size
         # A rank's cache holds its own KV heads: the same number of blocks fits on every rank.
-        per_block = 2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        # An FP8 cache's pool is sized by its one-byte element: twice the blocks of a bfloat16 one.
+        self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.model.kv_scales = self._kv_scales(config.kv_cache_dtype)
+        per_block = (2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim
+                     * self.cache_dtype.itemsize)
         self.num_kv_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         shape = (self.num_kv_blocks, block_size, self.model.num_kv_heads, cfg.head_dim)
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
-        self.arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        self.arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.cache_dtype, device=self.device)
         if self.device.type == "cpu":
             advise_huge_pages(self.arena)
         self.arena.zero_()
@@ -179,6 +184,17 @@ class ModelRunner:
                  "" if group is None else " per rank")
         for m in self.memory:
             log.info("memory: %s", m.describe())
+
+    def _kv_scales(self, kv_cache_dtype: str) -> list[tuple[float, float]] | None:
+        found = self.model.checkpoint_kv_scales
+        if cache_dtype(kv_cache_dtype, self.dtype) != torch.float8_e4m3fn:
+            if found is not None:
+                log.info("the checkpoint has FP8 KV cache scales; --kv-cache-dtype fp8 would use them")
+            return None
+        if found is None:
+            log.info("FP8 KV cache: the checkpoint has no k_scale/v_scale; every scale is 1.0 (as vLLM)")
+            return [(1.0, 1.0)] * self.model.config.num_layers
+        return found
 
     def _send_lora(self, commands: bytes) -> None:
         with self.group.exclusive("LoRA adapters"):
@@ -252,7 +268,9 @@ class ModelRunner:
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # Every layer's keys and values at once: the arena's block axis is dimension 2.
-        self.arena.index_copy_(2, dst, self.arena.index_select(2, src))
+        # (as bytes: PyTorch has no index_copy_ for float8 tensors; a copy is a copy)
+        arena = self.arena.view(torch.uint8) if self.arena.dtype == torch.float8_e4m3fn else self.arena
+        arena.index_copy_(2, dst, arena.index_select(2, src))
 
     def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
         nd = step.num_decode

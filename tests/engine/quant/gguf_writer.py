@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
-
-import gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+
 from services.model_files.model_source import default_gguf_path
 
 BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q8_0: (32, 34), Q.Q4_K: (256, 144), Q.Q5_K: (256, 176),

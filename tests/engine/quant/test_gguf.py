@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM
 
-from gguf import GGMLQuantizationType as Q
 from services import LLM, SamplingParams
 from services.engine.quant.formats.gguf_tensors import decode
 from services.engine.quant.panel_weight import PanelWeight
