@@ -25,9 +25,9 @@ import kernels.cpu as cpu_kernels
 from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
-from services.engine.kv_cache_fp8 import cache_dtype
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from services.engine.kernel_warmup import warm_up
+from services.engine.kv_cache_fp8 import cache_dtype
 from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch

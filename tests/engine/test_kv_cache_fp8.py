@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services import LLM, SamplingParams
+from services.engine.attention import PagedAttention
 from services.engine.kv_cache_fp8 import to_fp8
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -35,11 +36,26 @@ def test_the_pool_holds_twice_the_blocks(tiny_model_dir):
     assert fp8.runner.num_kv_blocks == 2 * auto.runner.num_kv_blocks
 
 
+def test_an_fp8_cache_equals_keys_and_values_rounded_through_e4m3(tiny_model_dir, monkeypatch):
+    """The specification: attention over k and v rounded to e4m3 and back, in a float32 cache."""
+    fp8, _ = greedy(tiny_model_dir, attention_backend="reference", num_kv_blocks=128, enable_prefix_caching=False)
+    original = PagedAttention.__call__
+
+    def rounded(self, q, k, v, k_cache, v_cache, meta, scale, kv_scales=None):
+        assert kv_scales is None and k_cache.dtype == torch.float32
+        return original(self, q, to_fp8(k, 1.0).float(), to_fp8(v, 1.0).float(), k_cache, v_cache, meta, scale)
+
+    monkeypatch.setattr(PagedAttention, "__call__", rounded)
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", attention_backend="reference", num_kv_blocks=128,
+              enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)] == fp8
+
+
 def test_backends_agree_and_prefix_caching_and_preemption_change_nothing(tiny_model_dir):
     want, _ = greedy(tiny_model_dir, attention_backend="reference", num_kv_blocks=128, enable_prefix_caching=False)
     got, llm = greedy(tiny_model_dir, attention_backend="cpu", num_kv_blocks=128)
     assert got == want
-    got, llm = greedy(tiny_model_dir, attention_backend="cpu", num_kv_blocks=14, max_num_batched_tokens=32)
+    got, llm = greedy(tiny_model_dir, attention_backend="cpu", num_kv_blocks=9, max_num_batched_tokens=32)
     assert llm.core.scheduler.num_preemptions > 0, "the pool is sized so that preemption happens"
     assert got == want
     got, _ = greedy(tiny_model_dir, attention_backend="triton", num_kv_blocks=128, max_num_batched_tokens=64)

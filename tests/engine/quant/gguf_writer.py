@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFValueType as V
 
+from services.bench.offline.quant_formats import copy_gguf_metadata
 from services.model_files.model_source import default_gguf_path
 
 BLOCK = {Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q8_0: (32, 34), Q.Q4_K: (256, 144), Q.Q5_K: (256, 176),
@@ -49,17 +49,7 @@ def write_tiny_gguf(path: Path, types: dict[str, Q], hidden=256, inter=512, laye
     sizes = {"llama.block_count": layers, "llama.embedding_length": hidden, "llama.feed_forward_length": inter,
              "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv_heads,
              "llama.rope.dimension_count": hidden // heads, "llama.context_length": 2048}
-    for key, field in src.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if key in sizes:
-            w.add_key_value(key, sizes[key], V.UINT32)
-            continue
-        kinds = field.types
-        if kinds[0] == V.ARRAY:
-            w.add_key_value(key, field.contents(), V.ARRAY, sub_type=kinds[-1])
-        else:
-            w.add_key_value(key, field.contents(), kinds[0])
+    copy_gguf_metadata(src, w, sizes)
     gen = np.random.default_rng(seed)
     vocab = 49152
     roles = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
