@@ -15,6 +15,8 @@ import numbers
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A KV cache may also hold float8_e4m3fn (an FP8 cache: per-tensor scales applied by the caller).
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -46,8 +48,8 @@ def _unit_last_stride(op: str, **tensors: torch.Tensor) -> None:
 
 
 def _caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    _tensor(op, "k_cache", k_cache, 4, FLOAT_DTYPES)
-    _tensor(op, "v_cache", v_cache, 4, FLOAT_DTYPES)
+    _tensor(op, "k_cache", k_cache, 4, CACHE_DTYPES)
+    _tensor(op, "v_cache", v_cache, 4, CACHE_DTYPES)
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"{op}: k_cache and v_cache must match; got {tuple(k_cache.shape)} {k_cache.dtype} "
                          f"and {tuple(v_cache.shape)} {v_cache.dtype}")
@@ -55,7 +57,7 @@ def _caches(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def _query(op: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     _tensor(op, "q", q, 3, FLOAT_DTYPES)
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{op}: q has dtype {q.dtype} but the KV cache holds {k_cache.dtype}")
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -74,8 +76,8 @@ def _scale(op: str, scale) -> None:
 def check_write_kv(op: str, k, v, k_cache, v_cache, slot_mapping) -> None:
     """Structural checks for write_kv."""
     _caches(op, k_cache, v_cache)
-    _tensor(op, "k", k, 3, FLOAT_DTYPES)
-    _tensor(op, "v", v, 3, FLOAT_DTYPES)
+    _tensor(op, "k", k, 3, CACHE_DTYPES)
+    _tensor(op, "v", v, 3, CACHE_DTYPES)
     _tensor(op, "slot_mapping", slot_mapping, 1, INDEX_DTYPES)
     _same_device(op, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     want = (slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3])

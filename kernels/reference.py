@@ -33,8 +33,11 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         check_slots("kernels.write_kv_ref", int(slots.min()), -1, k_cache)
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if k_cache.dtype == torch.float8_e4m3fn:  # PyTorch has no index_copy_ for float8: copy the bytes
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -43,6 +46,12 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) ->
     gathered = cache.index_select(0, tables.reshape(-1))
     n, bs, h, d = tables.shape[0], cache.shape[1], cache.shape[2], cache.shape[3]
     return gathered.view(n, num_blocks * bs, h, d)
+
+
+def _readable(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered keys or values SDPA can read: an FP8 cache's e4m3 values widened to the queries' dtype (the
+    per-tensor scales are applied by the caller, to the softmax scale and to the output)."""
+    return kv.to(dtype) if kv.dtype == torch.float8_e4m3fn else kv
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,8 +67,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     min_len, max_len = (int(x) for x in torch.aminmax(context_lens))
     check_context_fits(op, min_len, max_len, block_tables, block_size)
     num_blocks = (max_len + block_size - 1) // block_size
-    k = _gather(k_cache, block_tables, num_blocks).transpose(1, 2)  # [S, kvh, L, d]
-    v = _gather(v_cache, block_tables, num_blocks).transpose(1, 2)
+    k = _readable(_gather(k_cache, block_tables, num_blocks), q.dtype).transpose(1, 2)  # [S, kvh, L, d]
+    v = _readable(_gather(v_cache, block_tables, num_blocks), q.dtype).transpose(1, 2)
     length = k.shape[2]
     positions = torch.arange(length, device=q.device)
     mask = positions[None, :] < context_lens.to(q.device).long()[:, None]  # [S, L]
@@ -95,8 +104,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if q_len == 0:
             continue
         num_blocks = (ctx + block_size - 1) // block_size
-        k = _gather(k_cache, block_tables[s:s + 1], num_blocks)[0, :ctx].transpose(0, 1)  # [kvh, ctx, d]
-        v = _gather(v_cache, block_tables[s:s + 1], num_blocks)[0, :ctx].transpose(0, 1)
+        k = _readable(_gather(k_cache, block_tables[s:s + 1], num_blocks)[0, :ctx], q.dtype).transpose(0, 1)
+        v = _readable(_gather(v_cache, block_tables[s:s + 1], num_blocks)[0, :ctx], q.dtype).transpose(0, 1)
         qs = q[q_start:q_end].transpose(0, 1).to(k.dtype)  # [h, q_len, d]
         if q_len == ctx:
             mask = None

@@ -38,7 +38,8 @@ def attend_range(q, q_pos, k_head_ptr, v_head_ptr, table_row_ptr, n_start, n_end
         row = (n % BLOCK_SIZE).to(tl.int64)
         # K is gathered already transposed, [BLOCK_D, TILE_N], so the dot needs no shuffle.
         k_ptrs = k_head_ptr + block_id[None, :] * stride_kb + row[None, :] * stride_kt + d[:, None]
-        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        # .to: an FP8 cache's e4m3 values widened to the queries' type (its scales are applied by the caller)
+        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = n_ok[None, :]
         if CAUSAL:
@@ -51,7 +52,7 @@ def attend_range(q, q_pos, k_head_ptr, v_head_ptr, table_row_ptr, n_start, n_end
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptrs = v_head_ptr + block_id[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :]
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i

@@ -31,7 +31,8 @@ class LLM:
                  max_model_len: int | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, tp_timeout: float = 60.0, serving_system: str = "pagedserve",
                  max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 speculative_config: dict | str | None = None):
+                 speculative_config: dict | str | None = None, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         """`speculative_config`: vLLM's, e.g. {"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2} (services.contracts.speculative_config)."""
         from services.engine.tp_launch import start_runner
@@ -45,7 +46,8 @@ class LLM:
             attention_backend=attention_backend, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size, tp_timeout=tp_timeout, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            speculative_config=spec.to_json() if spec is not None else None))
+            speculative_config=spec.to_json() if spec is not None else None, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype))
         self.tokenizer = ModelTokenizer(self.runner.model_dir)
         self.core = SchedulerCore(InProcessExecutor(self.runner), self.tokenizer, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,

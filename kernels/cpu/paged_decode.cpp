@@ -120,7 +120,8 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
                          int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores,
                          float* acc, float* row) {
 #if defined(__AVX512F__)
-  if constexpr (!std::is_same<T, double>::value) {
+  // float8 caches take the portable path (rows widened through a 256-entry table).
+  if constexpr (!std::is_same<T, double>::value && !std::is_same<T, c10::Float8_e4m3fn>::value) {
   if (attend_group_fast<T>(qf, kc, vc, table, L, G, D, BS, c_s0, c_s1, h_off, scores, acc)) return;
   if (D % 16 == 0 && D <= 256) {
     const int64_t C = D / 16;
@@ -168,8 +169,10 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
   }
 }
 
-template <typename T>
-static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T* __restrict vc,
+// T: the queries' and outputs' type; C: the cache's (T, or float8_e4m3fn for an FP8 cache, whose per-tensor
+// scales the caller folds into `scale` and the output).
+template <typename T, typename C = T>
+static void decode_kernel(const T* __restrict q, const C* __restrict kc, const C* __restrict vc,
                           const int32_t* __restrict bt, const int32_t* __restrict cl, T* __restrict out,
                           int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t BS, int64_t MB,
                           int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1, int64_t c_s2,
@@ -185,7 +188,7 @@ static void decode_kernel(const T* __restrict q, const T* __restrict kc, const T
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
       }
       scores.resize(G * L);
-      attend_group<T>(qf.data(), kc, vc, bt + s * MB, L, G, D, BS, c_s0, c_s1, h * c_s2, scores.data(),
+      attend_group<C>(qf.data(), kc, vc, bt + s * MB, L, G, D, BS, c_s0, c_s1, h * c_s2, scores.data(),
                       acc.data(), row.data());
       for (int64_t g = 0; g < G; ++g) {
         T* op = out + s * o_s0 + (h * G + g) * o_s1;
@@ -227,6 +230,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                out.stride(0), out.stride(1), static_cast<float>(scale)))
         return out;
   }
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(v_cache.scalar_type() == at::kFloat8_e4m3fn, "k_cache and v_cache must share a dtype");
+    using F8 = c10::Float8_e4m3fn;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_fp8", [&] {
+      decode_kernel<scalar_t, F8>(q.data_ptr<scalar_t>(), k_cache.data_ptr<F8>(), v_cache.data_ptr<F8>(),
+                                  block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+                                  out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
+                                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+                                  out.stride(1), static_cast<float>(scale));
+    });
+    return out;
+  }
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "the caches are the queries' dtype or float8_e4m3fn");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
@@ -252,6 +268,12 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 torch::Tensor bf16_gemm_pack(torch::Tensor w);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
 bool bf16_gemm_supported();
+// Defined in quant_gemm.cpp.
+torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int64_t group_size, torch::Tensor scale,
+                         c10::optional<torch::Tensor> offset, c10::optional<torch::Tensor> zero, double zero_const,
+                         int64_t out_features, c10::optional<torch::Tensor> bias,
+                         c10::optional<torch::Tensor> row_scale);
+bool quant_gemm_supported();
 // Defined in prefill_bf16.cpp.
 torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset);
 bool prefill_bf16_supported(int64_t head_dim);
@@ -274,6 +296,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "a bfloat16 [N, K] weight in bf16_gemm's panel layout");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T (+ bias) over a packed bfloat16 weight (AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether this build has the AVX512-BF16 GEMM");
+  m.def("quant_gemm", &quant_gemm, "x @ dequantize(codes).T (+ bias) over 4-bit, 8-bit or fp8 codes (AVX512-BF16)",
+        py::arg("x"), py::arg("codes"), py::arg("kind"), py::arg("group_size"), py::arg("scale"), py::arg("offset"),
+        py::arg("zero"), py::arg("zero_const"), py::arg("out_features"), py::arg("bias"), py::arg("row_scale"));
+  m.def("quant_gemm_supported", &quant_gemm_supported, "whether this build has the quantized GEMM");
   m.def("prefill_bf16", &prefill_bf16, "causal attention of new tokens over their keys, after q_offset earlier ones (AVX512-BF16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("q_offset") = 0);
   m.def("prefill_bf16_supported", &prefill_bf16_supported, "whether prefill_bf16 takes this head_dim here");

@@ -40,6 +40,10 @@ def add_bench(sub) -> None:
                         "and its ratio to the base model (0) in the same run, instead of the baselines")
     t.add_argument("--lora-passes", type=V.integer(1), default=2,
                    help="with --lora-adapters: passes over the counts, alternately in order and reversed")
+    t.add_argument("--quantization", default=None, choices=("gguf",),
+                   help="gguf: serve the GGUF file's weights as stored (vLLM gets the same file; transformers, "
+                        "which dequantizes it, is left out)")
+    t.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     t.set_defaults(handler="services.bench.offline.throughput:run",
                    flag_check="services.bench.offline.throughput:check_flags")
     d = bsub.add_parser("spec-decode", help="speculative decoding against none on copy-heavy chats, side by side "
@@ -58,6 +62,22 @@ def add_bench(sub) -> None:
     d.add_argument("--seed", type=V.integer(), default=0)
     d.add_argument("--json", dest="json_path", default=None)
     d.set_defaults(handler="services.bench.offline.spec_decode:run")
+    qb = bsub.add_parser("quant", help="the bundled model in each weight format side by side: weight bytes and "
+                         "decode tokens/s at batch 1 and 64; with --kv-fp8, the FP8 KV cache's blocks and agreement")
+    qb.add_argument("--formats", default="bf16,gguf-q4_1,gguf-q8_0", help="comma-separated: bf16, gguf-q4_1, "
+                    "gguf-q8_0")
+    qb.add_argument("--batches", type=V.positive_ints, default=[1, 64])
+    qb.add_argument("--decode-tokens", type=V.integer(1), default=32, help="new tokens per sequence")
+    qb.add_argument("--passes", type=V.integer(1), default=3, help="passes over the formats, alternately in order "
+                    "and reversed (medians and ranges reported)")
+    qb.add_argument("--num-kv-blocks", type=V.integer(2), default=512)
+    qb.add_argument("--kv-fp8", action="store_true", help="also the FP8 KV cache against a bf16 one")
+    qb.add_argument("--kv-cache-memory", type=V.byte_size, default="64M",
+                    help="with --kv-fp8: the fixed KV memory compared")
+    qb.add_argument("--kv-prompts", type=V.integer(1), default=100)
+    qb.add_argument("--kv-max-tokens", type=V.integer(1), default=32)
+    qb.add_argument("--json", dest="json_path", default=None)
+    qb.set_defaults(handler="services.bench.offline.quant_formats:run")
     ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
                          "alternating runs in one command, ratio of medians")
     ba.add_argument("--before", required=True, help="the earlier git revision (checked out in a temporary worktree)")

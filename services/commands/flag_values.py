@@ -44,6 +44,15 @@ def integer(low: int | None = None, high: int | None = None) -> Callable[[str], 
     return _named(parse, "integer")
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1 ("1,64")."""
+    parse_one = integer(1)
+    parts = [part for part in str(text).split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("needs at least one integer, e.g. 1,64")
+    return [parse_one(part) for part in parts]
+
+
 def number(low: float | None = None, *, above: bool = False, high: float | None = None) -> Callable[[str], float]:
     """A finite number >= low (> low with `above`), <= high."""
     def parse(text: str) -> float:

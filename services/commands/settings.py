@@ -131,6 +131,13 @@ MAX_LORAS = Option("--max-loras", "LoRA adapters resident at once (slots; 0: no 
                    "--lora-modules adapter up to 8, 1 with only --lora-dir, else 0)", type=V.integer(0))
 MAX_LORA_RANK = Option("--max-lora-rank", "highest LoRA rank served, every slot padded to it (default: 16, or the "
                        "highest rank among the --lora-modules adapters when that is higher)", type=V.integer(1, 512))
+QUANTIZATION = Option("--quantization", "what the checkpoint's weights are (vLLM's spelling; default: what its "
+                      "quantization_config says); gguf: serve a GGUF file's weights as they are, packed, instead of "
+                      "converting them to a float checkpoint", choices=("gguf", "fp8", "gptq", "awq",
+                                                                        "compressed-tensors"))
+KV_CACHE_DTYPE = Option("--kv-cache-dtype", "KV cache element type: auto (the model's dtype) or fp8 (e4m3, per-tensor "
+                        "scales from the checkpoint where it has them, else 1.0)", default="auto",
+                        choices=("auto", "fp8", "fp8_e4m3"))
 MAX_CPU_LORAS = Option("--max-cpu-loras", "loaded LoRA adapters kept in host memory (LRU; default: "
                        "max(--max-loras, 8))", type=V.integer(1))
 LORA_MODULES = Option("--lora-modules", "LoRA adapters to load at start, NAME=PATH each (vLLM's spelling); "
@@ -149,7 +156,8 @@ LOG_LEVEL = Option("--log-level", "logging level", default="info",
 # The engine's MAX_NUM_SEQS sizes its largest decode CUDA graph (give it the scheduler's value).
 _ENGINE_CORE = (MODEL, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY, MAX_MODEL_LEN, ATTENTION_BACKEND,
                 ENFORCE_EAGER, MAX_NUM_SEQS, LOAD_FORMAT, TENSOR_PARALLEL_SIZE, TP_LOCAL_RANKS, TP_RENDEZVOUS,
-                TP_TIMEOUT, MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS, SPECULATIVE_CONFIG)
+                TP_TIMEOUT, MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS, SPECULATIVE_CONFIG,
+                QUANTIZATION, KV_CACHE_DTYPE)
 _LORA_SERVING = (LORA_MODULES, LORA_DIR, LORA_ADMIN_KEY)
 ENGINE_OPTIONS = (ENGINE_HOST, *_ENGINE_CORE, INTERNAL_TOKEN_FILE, INTERNAL_TOKEN, LOG_LEVEL)
 # A tensor-parallel rank other than 0: no port, no token (it talks only to its group).
@@ -165,7 +173,7 @@ ROUTER_OPTIONS = (HOST, MODEL, REDIS_URL, POLICY, API_KEYS_FILE, API_KEYS, CACHE
 SERVE_OPTIONS = (HOST, MODEL, SERVED_MODEL_NAME, DTYPE, DEVICE, BLOCK_SIZE, NUM_KV_BLOCKS, KV_CACHE_MEMORY,
                  ATTENTION_BACKEND, ENFORCE_EAGER, TENSOR_PARALLEL_SIZE, TP_TIMEOUT, *_SCHEDULING, API_KEYS_FILE,
                  API_KEYS, CACHE_ISOLATION, MAX_BODY_BYTES, IN_PROCESS_ENGINE, MAX_LORAS, MAX_LORA_RANK,
-                 MAX_CPU_LORAS, *_LORA_SERVING, LOG_LEVEL)
+                 MAX_CPU_LORAS, QUANTIZATION, KV_CACHE_DTYPE, *_LORA_SERVING, LOG_LEVEL)
 
 # Default ports, shared by the CLI, `pagedserve up` and the chart.
 DEFAULT_PORTS = {"router": 8000, "scheduler": 8100, "engine": 7000, "serve": 8000}

@@ -23,6 +23,7 @@ import torch
 
 import kernels
 from kernels.triton_common import interpreting
+from services.engine.kv_cache_fp8 import attend_fp8
 
 BACKENDS = ("triton", "cpu", "reference")
 
@@ -148,10 +149,19 @@ class PagedAttention:
         self.backend = _BACKEND_CLASSES[self.name](device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]. `kv_scales`: an FP8 cache's per-tensor
+        (k_scale, v_scale) (services/engine/kv_cache_fp8.py)."""
+        if kv_scales is not None:
+            return attend_fp8(self._attend, q, k, v, k_cache, v_cache, meta, scale, kv_scales)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                raw: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`raw`: what to write into the cache when it is not k and v themselves (an FP8 cache's e4m3 values)."""
         b = self.backend
-        b.write_kv(k, v, k_cache, v_cache, meta)
+        b.write_kv(*(raw if raw is not None else (k, v)), k_cache, v_cache, meta)
         nd = meta.num_decode
         if nd == q.shape[0]:
             return b.decode(q, k_cache, v_cache, meta, scale)

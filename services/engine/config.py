@@ -12,6 +12,10 @@ from services.contracts.byte_size import parse_bytes
 from services.contracts.speculative_config import SpeculativeConfig
 
 LOAD_FORMATS = ("safetensors", "random")
+QUANTIZATIONS = (None, "gguf", "fp8", "gptq", "awq", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 MAX_LORA_RANK = 512  # vLLM's largest --max-lora-rank too
 
 
@@ -52,6 +56,10 @@ class EngineConfig:
     # Speculative decoding (a JSON object, services.contracts.speculative_config): the engine loads a draft
     # model or EAGLE-3 head for the methods that need one; n-gram needs nothing here.
     speculative_config: str | None = None
+    # What the checkpoint's weights must be (vLLM's --quantization); "gguf": a GGUF file's weights are read
+    # as they are instead of being converted to a float checkpoint. None: whatever the checkpoint says.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-tensor scales
 
     def __post_init__(self):
         def refuse(name: str, message: str):
@@ -84,6 +92,11 @@ class EngineConfig:
             refuse("max_cpu_loras", f"must be an integer >= 1, got {self.max_cpu_loras!r}")
         if not isinstance(self.tp_timeout, (int, float)) or not 0 < self.tp_timeout < float("inf"):
             refuse("tp_timeout", f"must be > 0 seconds, got {self.tp_timeout!r}")
+        if self.quantization not in QUANTIZATIONS:
+            refuse("quantization", f"must be one of {', '.join(q for q in QUANTIZATIONS if q)}, got "
+                   f"{self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            refuse("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         spec = self.speculative
         if spec is not None and spec.proposer_in_engine and self.tensor_parallel_size > 1:
             refuse("speculative_config", f"method {spec.method!r} is not implemented with tensor parallelism "
@@ -125,7 +138,8 @@ class EngineConfig:
                    tp_rendezvous=opt("tp_rendezvous", None), tp_timeout=opt("tp_timeout", 60.0),
                    max_loras=opt("max_loras", 0), max_lora_rank=opt("max_lora_rank", 16),
                    max_cpu_loras=opt("max_cpu_loras", None),
-                   speculative_config=opt("speculative_config", None) or None)
+                   speculative_config=opt("speculative_config", None) or None,
+                   quantization=opt("quantization", None), kv_cache_dtype=opt("kv_cache_dtype", "auto"))
 
     def as_flags(self) -> list[str]:
         """The flags that rebuild this config (`from_args(parse(as_flags()))` equals it)."""

@@ -62,7 +62,7 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             if end - start < GATHER_MIN_TOKENS:
                 short.append(i)
                 continue
-            keys, values = _gathered_context(k_cache, v_cache, block_tables, i, ctx, step_cache)
+            keys, values = _gathered_context(k_cache, v_cache, block_tables, i, ctx, step_cache, q.dtype)
             out[start:end] = fresh_kernel(q[start:end], keys, values, scale, ctx - (end - start))
         continuing = short
         if not continuing:
@@ -79,7 +79,7 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         return out
     for i in continuing:
         start, end, ctx = spans[i]
-        keys, values = _gathered_context(k_cache, v_cache, block_tables, i, ctx, step_cache)
+        keys, values = _gathered_context(k_cache, v_cache, block_tables, i, ctx, step_cache, q.dtype)
         entry = step_cache[i]
         if entry.mask is None:
             q_len = end - start
@@ -100,8 +100,10 @@ class _ContextEntry:
     mask: torch.Tensor | None = None    # the chunk's causal mask, for the masked-SDPA route
 
 
-def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cache: dict | None):
-    """Sequence i's first ctx cached keys and values, [ctx, kv_heads, dim] each (its new ones included)."""
+def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cache: dict | None,
+                      dtype: torch.dtype):
+    """Sequence i's first ctx cached keys and values, [ctx, kv_heads, dim] each (its new ones included), in
+    `dtype` (an FP8 cache's e4m3 values widened; its scales are applied by the caller)."""
     entry = step_cache.get(i) if step_cache is not None else None
     if entry is None:
         entry = _ContextEntry(block_tables[i, :-(-ctx // k_cache.shape[1])].long())
@@ -109,8 +111,8 @@ def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cac
             step_cache[i] = entry
     blocks = entry.blocks
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    return (k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx],
-            v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx])
+    return (k_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].to(dtype),
+            v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].to(dtype))
 
 
 def _fresh_kernel(q: torch.Tensor):

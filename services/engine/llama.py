@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from services.engine.attention import AttentionMetadata, PagedAttention
 from services.engine.linear import make_linear_factory
+from services.engine.quant.projections import build_linear, embed_tokens
 from services.engine.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -71,11 +72,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def weight_bytes(weights: dict) -> int:
-    """Bytes of a model's weight tensors (a tied LM head counted once)."""
+    """Bytes of a model's weights as held (packed ones at their packed size; a tied LM head counted once)."""
     tensors = [weights["embed"], weights["norm"], *(t for layer in weights["layers"] for t in layer.values())]
     if weights["lm_head"] is not weights["embed"]:
         tensors.append(weights["lm_head"])
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes for t in tensors)
 
 
 class LlamaModel:
@@ -95,7 +96,11 @@ class LlamaModel:
         self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.scale = c.head_dim ** -0.5
         self.weight_bytes = weight_bytes(weights)
-        linear = make_linear_factory(device, dtype)
+        plain = make_linear_factory(device, dtype)
+
+        def linear(w, b=None):  # a plain tensor or a quantized projection (services/engine/quant)
+            return build_linear(w, b, plain, dtype, device)
+
         self.embed = weights["embed"]
         self.layers = [{
             "input_norm": w["input_norm"], "post_norm": w["post_norm"],
@@ -105,11 +110,17 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.lm_head = linear(weights["lm_head"])
         # The plain output embedding: the sampler rescores half-precision near-ties of greedy rows with
-        # it and the final hidden state, in float32. A rank holds only part of it: no rescoring then.
-        self.head_weight = weights["lm_head"] if group is None else None
+        # it and the final hidden state, in float32. A rank holds only part of it, and a packed head has
+        # no plain form: no rescoring then.
+        head = weights["lm_head"]
+        self.head_weight = head if group is None and isinstance(head, torch.Tensor) else None
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling,
                                     dtype, device)
         self.attn = PagedAttention(attention_backend, device)
+        # An FP8 KV cache's per-layer (k_scale, v_scale) (set by the model runner; None: the model's dtype),
+        # and those the checkpoint carries (set by the loader).
+        self.kv_scales: list[tuple[float, float]] | None = None
+        self.checkpoint_kv_scales: list[tuple[float, float]] | None = None
         # Fused C++ elementwise kernels on the CPU in half precision; float32 keeps the op-for-op
         # Hugging Face arithmetic so its outputs stay bit-comparable in the parity tests.
         self.fused = None
@@ -133,7 +144,7 @@ class LlamaModel:
         fused = self.fused
         reduce = None if self.group is None else self.group.all_reduce
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        h = F.embedding(input_ids, self.embed) if reduce is None else self._embed_shard(input_ids)
+        h = embed_tokens(self.embed, input_ids, self.dtype) if reduce is None else self._embed_shard(input_ids)
         T = h.shape[0]
         last = len(self.layers) - 1
         delta = None  # output of the previous sub-layer, not yet added to the residual stream h
@@ -158,7 +169,8 @@ class LlamaModel:
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
                 q, k = self.rope(positions, q.view(T, heads, c.head_dim), k.view(T, kv_heads, c.head_dim))
             v = v.view(T, kv_heads, c.head_dim)
-            o = self.attn(q, k, v, k_cache, v_cache, meta, self.scale)
+            o = self.attn(q, k, v, k_cache, v_cache, meta, self.scale,
+                          None if self.kv_scales is None else self.kv_scales[i])
             o = o.reshape(T, self.q_size)
             delta = layer["o"](o)
             if lora is not None:
@@ -196,7 +208,7 @@ class LlamaModel:
         """Vocab-parallel embedding: this rank's rows where it holds the token, zeros elsewhere, summed."""
         lo, hi = self.shard.vocab_rows
         outside = (input_ids < lo) | (input_ids >= hi)
-        h = F.embedding((input_ids - lo).masked_fill_(outside, 0), self.embed)
+        h = embed_tokens(self.embed, (input_ids - lo).masked_fill_(outside, 0), self.dtype)
         h.masked_fill_(outside.unsqueeze(1), 0)
         return self.group.all_reduce(h)
 

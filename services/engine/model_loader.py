@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from services.engine.kv_cache_fp8 import read_kv_scales
 from services.engine.llama import LlamaConfig, LlamaModel
+from services.engine.quant.formats.gguf_tensors import GgufCheckpoint
+from services.engine.quant.projections import QuantizedCheckpoint
+from services.engine.quant.scheme import check_requested, parse_quantization
 from services.engine.tp_shard import TensorParallelShard
 
 if TYPE_CHECKING:
@@ -76,13 +80,21 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
-               group: RankGroup | None = None) -> tuple[LlamaModel, dict]:
-    """The model (this rank's shard of it when `group` is given) and its Hugging Face config."""
+               group: RankGroup | None = None, quantization: str | None = None,
+               gguf: Path | None = None) -> tuple[LlamaModel, dict]:
+    """The model (this rank's shard of it when `group` is given) and its Hugging Face config. `gguf`: a GGUF
+    file whose weights are read as they are (`model_dir` then holds its config and tokenizer);
+    `quantization`: what --quantization asked for (a checkpoint of another kind is refused)."""
     model_dir = Path(model_dir)
     hf_cfg = read_config(model_dir)
+    # Refuses, by method and field, what it does not serve. A GGUF file's config was extracted without its
+    # quantization_config: its tensors carry their types.
+    scheme = None if gguf is not None else parse_quantization(hf_cfg)
+    check_requested(scheme, quantization, gguf is not None)
     config = LlamaConfig.from_hf(hf_cfg)
     shard = plan_shard(config, group)
-    ckpt = Checkpoint(model_dir)
+    ckpt = GgufCheckpoint(gguf) if gguf is not None else Checkpoint(model_dir)
+    quantized = None if scheme is None and gguf is None else QuantizedCheckpoint(ckpt, scheme, device, dtype)
     whole = shard is None
     q, kv = (None, None) if whole else (shard.q_rows, shard.kv_rows)
     mlp = None if whole else shard.mlp_rows
@@ -91,9 +103,16 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     def put(x: torch.Tensor) -> torch.Tensor:
         return x.to(device=device, dtype=dtype).contiguous()
 
-    def qkv(p: str, kind: str) -> torch.Tensor:
-        return torch.cat([ckpt.read(p + f"self_attn.q_proj.{kind}", q), ckpt.read(p + f"self_attn.k_proj.{kind}", kv),
-                          ckpt.read(p + f"self_attn.v_proj.{kind}", kv)])
+    def proj(modules: list[str], rows: list[Range] | None = None, cols: Range = None):
+        """The modules' weights stacked along their outputs (rows[i] of each, or columns `cols`)."""
+        if quantized is not None:
+            return quantized.projection(modules, rows, cols)
+        rows = rows or [None] * len(modules)
+        return put(torch.cat([ckpt.read(m + ".weight", r, cols) for m, r in zip(modules, rows, strict=True)]))
+
+    def qkv_bias(p: str) -> torch.Tensor:
+        return torch.cat([ckpt.read(p + "self_attn.q_proj.bias", q), ckpt.read(p + "self_attn.k_proj.bias", kv),
+                          ckpt.read(p + "self_attn.v_proj.bias", kv)])
 
     layers = []
     for i in range(config.num_layers):
@@ -101,27 +120,32 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         layer = {
             "input_norm": put(ckpt.read(p + "input_layernorm.weight")),
             "post_norm": put(ckpt.read(p + "post_attention_layernorm.weight")),
-            "qkv": put(qkv(p, "weight")),
-            "o": put(ckpt.read(p + "self_attn.o_proj.weight", cols=q)),
-            "gate_up": put(torch.cat([ckpt.read(p + "mlp.gate_proj.weight", mlp),
-                                      ckpt.read(p + "mlp.up_proj.weight", mlp)])),
-            "down": put(ckpt.read(p + "mlp.down_proj.weight", cols=mlp)),
+            "qkv": proj([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], [q, kv, kv]),
+            "o": proj([p + "self_attn.o_proj"], cols=q),
+            "gate_up": proj([p + "mlp.gate_proj", p + "mlp.up_proj"], [mlp, mlp]),
+            "down": proj([p + "mlp.down_proj"], cols=mlp),
         }
         if p + "self_attn.q_proj.bias" in ckpt:
-            layer["qkv_bias"] = put(qkv(p, "bias"))
+            layer["qkv_bias"] = put(qkv_bias(p))
         # A row-parallel layer's bias is added once: by rank 0, before the partial outputs are summed.
         if p + "self_attn.o_proj.bias" in ckpt and (whole or shard.rank == 0):
             layer["o_bias"] = put(ckpt.read(p + "self_attn.o_proj.bias"))
         layers.append(layer)
 
-    def vocab_rows(name: str) -> torch.Tensor:
+    def vocab_rows(name: str):
+        if quantized is not None:  # a packed LM head (or GGUF's packed token embedding) where the file has one
+            return quantized.projection([name.removesuffix(".weight")], [vocab],
+                                        pad_rows=None if whole else shard.vocab_shard)
         x = ckpt.read(name, vocab)
         return put(x if whole else _pad_rows(x, shard.vocab_shard))
 
     embed = vocab_rows("embed_tokens.weight")
-    lm_head = vocab_rows("lm_head.weight") if "lm_head.weight" in ckpt and not config.tie_word_embeddings else embed
+    stored_head = any(f"lm_head.{t}" in ckpt for t in ("weight", "qweight", "weight_packed"))
+    lm_head = vocab_rows("lm_head.weight") if stored_head and not config.tie_word_embeddings else embed
     weights = {"embed": embed, "layers": layers, "norm": put(ckpt.read("norm.weight")), "lm_head": lm_head}
-    return LlamaModel(config, weights, device, dtype, attention_backend, group, shard), hf_cfg
+    model = LlamaModel(config, weights, device, dtype, attention_backend, group, shard)
+    model.checkpoint_kv_scales = read_kv_scales(ckpt, config.num_layers)
+    return model, hf_cfg
 
 
 RANDOM_DRAW_DTYPE = "_random_draw_dtype"

@@ -28,6 +28,7 @@ from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
 from services.engine.kernel_warmup import warm_up
+from services.engine.kv_cache_fp8 import cache_dtype
 from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch
@@ -41,7 +42,7 @@ from services.engine.step_broadcast import Op, StepSender
 from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
 from services.engine.step_validation import StepLimits
 from services.model_files.lora_files import AdapterError
-from services.model_files.model_source import model_id_of, resolve_model
+from services.model_files.model_source import model_id_of, resolve_model, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,9 @@ class ModelRunner:
         if random_weights is None and config.load_format == "random":
             random_weights = read_config(resolve_model(config.model))
         if random_weights is None:
-            self.model_dir = resolve_model(config.model)
-            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group)
+            self.model_dir, gguf = resolve_weights(config.model, config.quantization)
+            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group,
+                                            quantization=config.quantization, gguf=gguf)
             model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
         else:
             self.model_dir, hf_cfg = None, random_weights
@@ -127,7 +129,11 @@ class ModelRunner:
         cfg = self.model.config
         self.block_size = block_size
         # A rank's cache holds its own KV heads: the same number of blocks fits on every rank.
-        per_block = 2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        # An FP8 cache's pool is sized by its one-byte element: twice the blocks of a bfloat16 one.
+        self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.model.kv_scales = self._kv_scales(config.kv_cache_dtype)
+        per_block = (2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim
+                     * self.cache_dtype.itemsize)
         # Speculative decoding's draft model: its own KV cache over the same block ids (sized together).
         self.drafter = self._load_drafter(backend)
         if self.drafter is not None:
@@ -139,9 +145,9 @@ class ModelRunner:
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
         arena_shape = (cfg.num_layers, 2, *shape)
         try:
-            self.arena = torch.empty(arena_shape, dtype=self.dtype, device=self.device)
+            self.arena = torch.empty(arena_shape, dtype=self.cache_dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory, on the CPU as on CUDA
-            size = math.prod(arena_shape) * self.dtype.itemsize
+            size = math.prod(arena_shape) * self.cache_dtype.itemsize
             raise ValueError(f"kv_cache_memory: a KV cache of {self.num_kv_blocks} blocks ({size / 2**30:.1f} GiB) "
                              f"does not fit on {self.device}: give a smaller --kv-cache-memory or --num-kv-blocks "
                              f"({str(exc).splitlines()[0][:200]})") from None
@@ -218,6 +224,17 @@ class ModelRunner:
                  drafter.config.num_layers, spec.num_speculative_tokens)
         return drafter
 
+    def _kv_scales(self, kv_cache_dtype: str) -> list[tuple[float, float]] | None:
+        found = self.model.checkpoint_kv_scales
+        if cache_dtype(kv_cache_dtype, self.dtype) != torch.float8_e4m3fn:
+            if found is not None:
+                log.info("the checkpoint has FP8 KV cache scales; --kv-cache-dtype fp8 would use them")
+            return None
+        if found is None:
+            log.info("FP8 KV cache: the checkpoint has no k_scale/v_scale; every scale is 1.0 (as vLLM)")
+            return [(1.0, 1.0)] * self.model.config.num_layers
+        return found
+
     def _send_lora(self, commands: bytes) -> None:
         with self.group.exclusive("LoRA adapters"):
             self.sender.send_lora(commands)
@@ -292,7 +309,9 @@ class ModelRunner:
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # Every layer's keys and values at once: the arena's block axis is dimension 2.
-        self.arena.index_copy_(2, dst, self.arena.index_select(2, src))
+        # (as bytes: PyTorch has no index_copy_ for float8 tensors; a copy is a copy)
+        arena = self.arena.view(torch.uint8) if self.arena.dtype == torch.float8_e4m3fn else self.arena
+        arena.index_copy_(2, dst, arena.index_select(2, src))
 
     def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
         return step.attention_metadata(t, self.model.attn, self.model.num_kv_heads)

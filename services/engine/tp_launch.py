@@ -30,7 +30,7 @@ from services.engine.model_runner import ModelRunner, pick_device
 from services.engine.parallel_state import RankGroup, RankPlace
 from services.engine.rank_processes import LocalRanks, OwnShare, cpu_shares
 from services.engine.tp_shard import TensorParallelConfigError, TensorParallelShard
-from services.model_files.model_source import resolve_model
+from services.model_files.model_source import resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,9 @@ def start_runner(config: EngineConfig, *, exit_on_failure: bool = False, graph_c
     if local < size and not config.tp_rendezvous:
         raise TensorParallelConfigError("a group spanning machines (tp_local_ranks < tensor_parallel_size) needs "
                                         "tp_rendezvous tcp://<this machine's address>:<port>")
-    model_dir = resolve_model(config.model)  # converted once, here; every rank reads the directory
+    # Converted (or its tokenizer extracted) once, here; every rank reads the directory, or the GGUF file
+    # whose weights are kept quantized.
+    model_dir, gguf = resolve_weights(config.model, config.quantization)
     check_split(model_dir, size)
     device = rank_device(config.device, 0, local)
     tmpdir, rendezvous = None, config.tp_rendezvous
@@ -82,7 +84,7 @@ def start_runner(config: EngineConfig, *, exit_on_failure: bool = False, graph_c
     shares = cpu_shares(local) if device.type == "cpu" else None
     own = OwnShare(shares[0] if shares else None)
     group.on_close(own.restore)
-    flags = dataclasses.replace(config, model=str(model_dir), tp_rendezvous=rendezvous).as_flags()
+    flags = dataclasses.replace(config, model=str(gguf or model_dir), tp_rendezvous=rendezvous).as_flags()
     ranks = LocalRanks.start(flags, node_rank=0, first_rank=0, local_size=local, shares=shares)
     group.on_close(lambda: ranks.stop(STOP_TIMEOUT))
     group.on_failure(lambda reason: ranks.kill())

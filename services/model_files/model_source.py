@@ -195,6 +195,15 @@ def extract_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def resolve_weights(model: str | os.PathLike | None, quantization: str | None) -> tuple[Path, Path | None]:
+    """(directory with the model's config and tokenizer, GGUF file whose weights are read as they are) when
+    `quantization` is "gguf" and the model is a GGUF file; else (resolve_model(model), None)."""
+    gguf = gguf_of(model)
+    if quantization == "gguf" and gguf is not None:
+        return resolve_tokenizer(model), gguf
+    return resolve_model(model), None
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Turn `None` (default model), a GGUF file or a Hugging Face directory into a safetensors directory."""
     gguf = gguf_of(model)

@@ -62,10 +62,24 @@ def run_ours(llm, requests) -> dict:
             "prefix_hit_tokens": core.kv.prefix_hits}
 
 
+def weight_format(args) -> str:
+    """What the engines' weights are, named in every report (`--quantization gguf`: the GGUF file's own types)."""
+    return "gguf (as stored)" if getattr(args, "quantization", None) == "gguf" else f"{args.dtype} (dequantized)"
+
+
+def _vllm_weights(model_dir, args) -> dict:
+    if getattr(args, "quantization", None) != "gguf":
+        return {}
+    from services.model_files.model_source import gguf_of
+
+    return {"model": str(gguf_of(args.model)), "quantization": "gguf", "tokenizer": str(model_dir)}
+
+
 def run_vllm(model_dir, requests, args) -> dict:
     if not VLLM_PYTHON.exists():
         return {"system": "vllm", "error": "vLLM virtualenv missing: run `make vllm-env` first"}
     spec = {"model": str(model_dir), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            **_vllm_weights(model_dir, args),
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": 2048,
             "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]}
@@ -108,7 +122,8 @@ def run(args) -> int:
         return 0
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp,
-              speculative_config=getattr(args, "speculative_config", None))
+              speculative_config=getattr(args, "speculative_config", None),
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     requests = offline_workload(args.workload, llm.core.info.vocab_size, seed=args.seed, scale=args.scale)
     print(f"workload {args.workload}: {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
@@ -119,7 +134,11 @@ def run(args) -> int:
     llm.close()
     del llm
     for name in [a.strip() for a in args.against.split(",") if a.strip() and a.strip() != "none"]:
-        if name == "transformers":
+        if name == "transformers" and args.quantization == "gguf":
+            # Side by side only on the same weights: transformers dequantizes a GGUF file when it loads it.
+            results.append({"system": "transformers", "error": "runs GGUF weights dequantized, not as stored: "
+                                                               "not the same weight format"})
+        elif name == "transformers":
             from services.bench.offline.hf_baseline import run_transformers
 
             results.append(run_transformers(model_dir, requests, args.dtype))
@@ -129,7 +148,8 @@ def run(args) -> int:
     for r in results[1:]:
         if "tokens_per_s" in r:
             r["pagedserve_ratio"] = ours["tokens_per_s"] / r["tokens_per_s"]
-    report = {"workload": args.workload, "dtype": args.dtype, "tensor_parallel_size": tp, "requests": len(requests),
+    report = {"workload": args.workload, "dtype": args.dtype, "weight_format": weight_format(args),
+              "kv_cache_dtype": args.kv_cache_dtype, "tensor_parallel_size": tp, "requests": len(requests),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results,
               "scheduler_ms_per_step_at_256_running": sched_256}
     _print_table(report)
@@ -140,6 +160,7 @@ def run(args) -> int:
 
 def _print_table(report: dict) -> None:
     print()
+    print(f"weights: {report['weight_format']}, on every side; KV cache: {report['kv_cache_dtype']}")
     print(f"{'system':<52} {'tok/s':>8} {'pagedserve x':>13}")
     for r in report["results"]:
         if "error" in r:

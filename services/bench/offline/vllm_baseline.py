@@ -16,7 +16,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=True,
+    # A GGUF file served as it is: vLLM's --quantization gguf, the tokenizer from its extracted directory.
+    extra = {"quantization": spec["quantization"], "tokenizer": spec["tokenizer"]} if spec.get("quantization") else {}
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], enable_prefix_caching=True, **extra,
               max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_model_len=spec.get("max_model_len", 2048), seed=0)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in spec["requests"]]

@@ -1,0 +1,102 @@
+"""Each quantized format, written here in its exact on-disk layout from a random Llama-shaped (and one
+Qwen2-shaped) model: pagedserve's greedy output in float32 is token-identical to transformers running the
+dequantized weights (with the checkpoint's activation quantization applied to every quantized layer's
+input, for W8A8 checkpoints); in bfloat16, through the C++ quantized GEMM, within the Llama tests'
+tolerance of float32. Chunked prefill and preemption are active, as in tests/engine/test_llama.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services import LLM, SamplingParams
+from tests.engine.conftest import hf_greedy, make_tiny_model
+from tests.engine.quant import checkpoint_writers as w
+
+VARIANTS = {
+    "gptq-4bit-g32-sym": (w.write_gptq, {"bits": 4, "group": 32, "sym": True}),
+    "gptq-4bit-g16-asym-desc_act": (w.write_gptq, {"bits": 4, "group": 16, "sym": False, "desc_act": True}),
+    "gptq-8bit-channel-asym-v2": (w.write_gptq, {"bits": 8, "group": -1, "sym": False, "v2": True}),
+    "awq-4bit-g32": (w.write_awq, {"group": 32}),
+    "ct-w4a16-g32": (w.write_ct_packed, {"bits": 4, "group": 32}),
+    "ct-w4a16-g16-asym-actorder": (w.write_ct_packed, {"bits": 4, "group": 16, "sym": False, "actorder": True}),
+    "ct-w8a16-packed-g64": (w.write_ct_packed, {"bits": 8, "group": 64}),
+    "ct-int8-w8a8": (w.write_ct_int8, {}),
+    "ct-fp8-channel-dynamic": (w.write_ct_fp8, {"strategy": "channel"}),
+    "ct-fp8-tensor-static": (w.write_ct_fp8, {"strategy": "tensor", "static": True}),
+    "fp8-block-48x32": (w.write_fp8, {"block": (48, 32)}),
+    "fp8-tensor": (w.write_fp8, {"block": None}),
+}
+QWEN2 = {"qwen2-gptq-4bit-g32-asym": (w.write_gptq, {"bits": 4, "group": 32, "sym": False})}
+
+
+@pytest.fixture(scope="module")
+def float_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("float")
+    return {"llama": make_tiny_model(root / "llama"),
+            "qwen2": make_tiny_model(root / "qwen2", "qwen2", num_key_value_heads=4)}
+
+
+def quantize_like_the_checkpoint(x: torch.Tensor, act: dict) -> torch.Tensor:
+    """The checkpoint's activation quantization, written from its definition (q * s, s from the absmax)."""
+    top = 448.0 if act["dtype"] == "fp8" else 127.0
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).float()
+    if act.get("static_scale"):
+        s = torch.tensor(act["static_scale"])
+    elif act["granularity"] == "token":
+        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / top
+    else:
+        g = act["group"]
+        s = (x.view(x.shape[0], -1, g).abs().amax(-1, keepdim=True).clamp_min(1e-12) / top)
+        s = s.expand(-1, -1, g).reshape(x.shape)
+    if act["dtype"] == "fp8":
+        q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    else:
+        q = torch.round(x / s).clamp(-128, 127)
+    return (q * s).reshape(shape)
+
+
+def reference_model(ref_dir, act: dict | None):
+    hf = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+    if act is not None:
+        for name, mod in hf.named_modules():
+            if isinstance(mod, torch.nn.Linear) and "lm_head" not in name:
+                mod.register_forward_pre_hook(lambda _m, args: (quantize_like_the_checkpoint(args[0], act),))
+    return hf
+
+
+def write(variant, float_models, tmp_path):
+    writer, kwargs = {**VARIANTS, **QWEN2}[variant]
+    arch = "qwen2" if variant in QWEN2 else "llama"
+    out, ref = tmp_path / "quantized", tmp_path / "reference"
+    act = writer(float_models[arch], out, ref, **kwargs)
+    return out, ref, act
+
+
+@pytest.mark.parametrize("variant", sorted({**VARIANTS, **QWEN2}))
+def test_float32_greedy_matches_transformers_on_the_dequantized_weights(variant, float_models, tmp_path):
+    out, ref, act = write(variant, float_models, tmp_path)
+    rng = random.Random(sum(map(ord, variant)))
+    prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (3, 17, 40, 90)]
+    llm = LLM(model=str(out), dtype="float32", block_size=16, num_kv_blocks=12, max_num_batched_tokens=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert llm.core.scheduler.num_preemptions > 0, "the pool is sized so that preemption happens"
+    hf = reference_model(ref, act)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16), f"{variant}: prompt of {len(p)} tokens diverged"
+
+
+@pytest.mark.parametrize("variant", ["gptq-4bit-g16-asym-desc_act", "awq-4bit-g32", "ct-int8-w8a8",
+                                     "ct-w8a16-packed-g64", "fp8-block-48x32", "ct-fp8-tensor-static"])
+def test_bfloat16_stays_close_to_float32(variant, float_models, tmp_path):
+    out, _, _ = write(variant, float_models, tmp_path)
+    prompt = list(range(1000, 1040))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    a = LLM(model=str(out), dtype="float32").generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    b = LLM(model=str(out), dtype="bfloat16").generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids[0] == b.token_ids[0]
+    assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.3  # the Llama tests' tolerance
