@@ -181,9 +181,14 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
     # Every plain counter 1; nested stats (the structured-output counters) keep their own type, all ones too.
     # The adapter-name fields hold names, so vLLM's lora_requests_info series is exported too.
     names = {"running_loras": ("sql",), "waiting_loras": ("chat",)}
+    # The speculative-decoding counters exist only with --speculative-config; they are set so their series count.
+    from services.scheduler.spec_decode.speculator import SpecDecodeStats
+    nested = {"guided", "spec_decode"}
     stats = SchedulerStats(**{f.name: names.get(f.name, 1) for f in dataclasses.fields(SchedulerStats)
-                              if f.init and f.name != "guided"})
+                              if f.init and f.name not in nested})
     stats.guided = type(stats.guided)(**{f.name: 1 for f in dataclasses.fields(stats.guided) if f.init})
+    stats.spec_decode = SpecDecodeStats(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=1,
+                                        num_accepted_tokens_per_pos=[1, 0])
     scheduler = SchedulerMetrics(lambda: stats)
     timer = scheduler.timer()
     timer.tokens_now(1)
