@@ -13,6 +13,9 @@ CPU):
   AMX runs it, masked SDPA otherwise). CPU tensors only.
 - `reference`: the PyTorch references (kernels.reference), on any device: the specification. They read
   index tensors on the host (a sync per call on CUDA), so they are never captured in a CUDA graph.
+
+Every backend takes a layer's options the same way: its sliding `window` (None: full attention) and
+the model's attention-logit `softcap` (None: none), besides the scale.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class AttentionMetadata:
     prefill_max_context_len: int = 0
     # (q_start, q_end, context_len) per prefill sequence, relative to num_decode, as Python ints.
     prefill_spans: list[tuple[int, int, int]] | None = None
-    step_cache: dict | None = None  # per-step scratch shared by all layers (CPU prefill masks)
+    step_cache: dict | None = None  # per-step scratch shared by one KV group's layers (CPU prefill masks)
 
 
 def resolve_backend(name: str | None, device: torch.device) -> str:
@@ -81,16 +84,16 @@ class TritonBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                         scale, max_context_len=meta.decode_max_context_len,
-                                        num_splits=meta.decode_num_splits)
+                                        num_splits=meta.decode_num_splits, **options)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
                                          meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
                                          max_query_len=meta.prefill_max_query_len,
-                                         max_context_len=meta.prefill_max_context_len)
+                                         max_context_len=meta.prefill_max_context_len, **options)
 
 
 class CpuBackend:
@@ -108,12 +111,13 @@ class CpuBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                            **options)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return self._prefill(q, k, v, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans, scale,
-                             meta.step_cache)
+                             meta.step_cache, **options)
 
 
 class ReferenceBackend:
@@ -128,13 +132,14 @@ class ReferenceBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         kernels.write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, scale)
+                                            meta.decode_context_lens, scale, **options)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.prefill_attention_ref(q, k_cache, v_cache, meta.prefill_block_tables,
-                                             meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+                                             meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+                                             **options)
 
 
 _BACKEND_CLASSES = {"triton": TritonBackend, "cpu": CpuBackend, "reference": ReferenceBackend}
@@ -148,16 +153,23 @@ class PagedAttention:
         self.backend = _BACKEND_CLASSES[self.name](device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]."""
         b = self.backend
         b.write_kv(k, v, k_cache, v_cache, meta)
+        # Only options that are set are passed on: the common call stays the plain one.
+        options = {}
+        if window is not None:
+            options["window"] = window
+        if softcap is not None:
+            options["softcap"] = softcap
         nd = meta.num_decode
         if nd == q.shape[0]:
-            return b.decode(q, k_cache, v_cache, meta, scale)
+            return b.decode(q, k_cache, v_cache, meta, scale, **options)
         if nd == 0:
-            return b.prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return b.prefill(q, k, v, k_cache, v_cache, meta, scale, **options)
         out = torch.empty_like(q)
-        out[:nd] = b.decode(q[:nd], k_cache, v_cache, meta, scale)
-        out[nd:] = b.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+        out[:nd] = b.decode(q[:nd], k_cache, v_cache, meta, scale, **options)
+        out[nd:] = b.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, **options)
         return out

@@ -1,7 +1,8 @@
 """Executes one SchedulerOutput: builds the step's inputs on the host, runs the model, samples.
 
 Owns the weights, the KV cache tensors (one key and one value tensor per layer shaped
-`[num_blocks, block_size, num_kv_heads, head_dim]`) and the decode CUDA graphs. Per step: validate and
+`[num_blocks, block_size, num_kv_heads, head_dim]`, slots of one arena shared by the model's KV groups:
+services/engine/kv_groups.py) and the decode CUDA graphs. Per step: validate and
 lay out the inputs on the host (services/engine/step_inputs.py), copy them to the device once, run the
 forward (eagerly, or a decode step replayed from its graph), sample. Makes no scheduling decision.
 
@@ -29,7 +30,8 @@ from services.engine.kernel_warmup import warm_up
 from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch
-from services.engine.model_loader import load_llama, random_llama, read_config
+from services.engine.model_loader import load_model, random_model, read_config
+from services.engine.models.registry import MODULE_PATH
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
 from services.engine.step_broadcast import Op, StepSender
@@ -70,6 +72,14 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
 
 
+def _describe_groups(plan) -> str:
+    if plan.num_groups == 1 and plan.windows[0] is None:
+        return ""
+    kinds = ", ".join(f"{plan.windows.count(w)} x {'full' if w is None else f'window {w}'}"
+                      for w in dict.fromkeys(plan.windows))
+    return f"; KV groups of {plan.group_size} layers: {kinds}"
+
+
 def _eos_ids(model_dir: Path, hf_cfg: dict) -> list[int]:
     ids: set[int] = set()
     sources = [hf_cfg.get("eos_token_id")]
@@ -108,31 +118,37 @@ class ModelRunner:
         start_bytes = memory_in_use(self.device)
         if random_weights is None and config.load_format == "random":
             random_weights = read_config(resolve_model(config.model))
+        self.model_path = MODULE_PATH
         if random_weights is None:
             self.model_dir = resolve_model(config.model)
-            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group)
+            self.model, hf_cfg, self.model_path = load_model(self.model_dir, self.dtype, self.device, backend, group,
+                                                             config.max_model_len)
             model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
         else:
             self.model_dir, hf_cfg = None, random_weights
-            self.model = random_llama(hf_cfg, self.dtype, self.device, backend, group=group)
+            self.model = random_model(hf_cfg, self.dtype, self.device, backend, group=group,
+                                      max_model_len=config.max_model_len)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
         if group is not None:
             group.connect()  # every rank has its shard by now
         cfg = self.model.config
         self.block_size = block_size
-        # A rank's cache holds its own KV heads: the same number of blocks fits on every rank.
-        per_block = 2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        plan = self.kv_plan = self.model.kv_plan
+        # A block is one page of `group_size` layers (all of them without sliding windows). A rank's cache
+        # holds its own KV heads: the same number of blocks fits on every rank.
+        per_block = (2 * plan.group_size * block_size * self.model.num_kv_heads * cfg.head_dim
+                     * self.dtype.itemsize)
         self.num_kv_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         shape = (self.num_kv_blocks, block_size, self.model.num_kv_heads, cfg.head_dim)
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
-        self.arena = torch.empty((cfg.num_layers, 2, *shape), dtype=self.dtype, device=self.device)
+        self.arena = torch.empty((plan.group_size, 2, *shape), dtype=self.dtype, device=self.device)
         if self.device.type == "cpu":
             advise_huge_pages(self.arena)
         self.arena.zero_()
-        self.kv_caches = [(self.arena[i, 0], self.arena[i, 1]) for i in range(cfg.num_layers)]
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.kv_caches = [(self.arena[s, 0], self.arena[s, 1]) for s in plan.layer_slot]
+        self.max_model_len = self.model.max_model_len
         self.memory = [RankMemory(0 if group is None else group.rank, self.model.weight_bytes,
                                   self.arena.numel() * self.arena.element_size(), start_bytes)]
         if group is not None:
@@ -147,7 +163,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, fast.argmax_rows if fast is not None else None,
                                fast.argmax_rows_exact if fast is not None else None)
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
-                                                  cfg.vocab_size), self.device)
+                                                  cfg.vocab_size, plan.num_groups), self.device)
         if self.device.type == "cuda" and backend == "triton":
             warm_up(self)  # every kernel variant compiles now, not while serving
         self.sender = None
@@ -166,16 +182,17 @@ class ModelRunner:
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
             eos_token_ids=eos, max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank if config.max_loras else 0)
+            max_lora_rank=config.max_lora_rank if config.max_loras else 0, kv_group_windows=plan.wire_windows,
+            model_path=self.model_path)
         if group is not None and group.rank != 0:
             log.info("tensor-parallel rank %d of %d ready on %s: %s", group.rank, group.size, self.device,
                      self.memory[group.rank].describe())
             return
         tp = "" if group is None else f", tensor parallel over {group.size} ranks"
-        log.info("engine ready: %s on %s, %s attention%s%s, %d KV blocks of %d tokens (%.2f GiB%s)",
+        log.info("engine ready: %s on %s, %s attention%s%s, %d KV blocks of %d tokens (%.2f GiB%s)%s",
                  self.info.model_id, self.device, backend, ", CUDA graphs" if self.graphs is not None else "", tp,
                  self.num_kv_blocks, block_size, self.num_kv_blocks * per_block / 2**30,
-                 "" if group is None else " per rank")
+                 "" if group is None else " per rank", _describe_groups(plan))
         for m in self.memory:
             log.info("memory: %s", m.describe())
 
@@ -234,7 +251,7 @@ class ModelRunner:
             capture = CudaGraphCapture(self.device)
         return DecodeGraphs(self.model, self.kv_caches, attention, self.device, self.block_size,
                             self.config.max_num_seqs, self.max_model_len, capture,
-                            self.lora.slots if self.lora is not None else None)
+                            self.lora.slots if self.lora is not None else None, self.kv_plan.num_groups)
 
     def reset(self) -> None:
         if self.sender is not None:
@@ -253,17 +270,18 @@ class ModelRunner:
         # Every layer's keys and values at once: the arena's block axis is dimension 2.
         self.arena.index_copy_(2, dst, self.arena.index_select(2, src))
 
-    def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
+    def _metadata(self, step: StepInputs, t: StepTensors) -> list[AttentionMetadata]:
+        """One AttentionMetadata per KV group: the group's slots and tables, everything else shared."""
         nd = step.num_decode
         splits = (self.model.attn.backend.num_splits(nd, self.model.num_kv_heads, step.decode_max_context_len)
                   if nd else None)
-        return AttentionMetadata(
-            slot_mapping=t.slot_mapping, num_decode=nd, decode_block_tables=t.decode_block_tables,
+        return [AttentionMetadata(
+            slot_mapping=t.slot_mapping[g], num_decode=nd, decode_block_tables=t.decode_block_tables[g],
             decode_context_lens=t.decode_context_lens, decode_max_context_len=step.decode_max_context_len,
-            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables,
+            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables[g],
             prefill_query_start_loc=t.prefill_query_start_loc, prefill_context_lens=t.prefill_context_lens,
             prefill_max_query_len=step.prefill_max_query_len, prefill_max_context_len=step.prefill_max_context_len,
-            prefill_spans=step.prefill_spans, step_cache={})
+            prefill_spans=step.prefill_spans, step_cache={}) for g in range(self.kv_plan.num_groups)]
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """Copy-on-write, then the forward of a validated step: (logits of the sampled rows, final hidden

@@ -188,6 +188,7 @@ class Scheduler:
             token_ids=req.token_ids[start:start + n],
             start_pos=start,
             block_table=self.kv.block_ids[req.seq_id],
+            group_block_tables=self.kv.group_block_ids.get(req.seq_id, []),
             sample=sample,
             sampling=req.spec,
             num_samples=req.params.num_sequences if (sample and not req.forked) else 1,

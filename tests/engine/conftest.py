@@ -12,9 +12,9 @@ from services.model_source import resolve_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def make_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
-    """A 2-layer random model with SmolLM2's tokenizer. Weights are drawn wide (std 0.2) so greedy
-    choices are not near-ties that rounding could flip."""
+def make_tiny_model(out: Path, arch: str = "llama", perturb_norms: bool = False, **overrides) -> Path:
+    """A 2-layer random model with SmolLM2's tokenizer, saved by transformers' own classes. Weights are
+    drawn wide (std 0.2) so greedy choices are not near-ties that rounding could flip."""
     import torch
     import transformers
 
@@ -27,14 +27,28 @@ def make_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=4096, initializer_range=0.2,
                   eos_token_id=2, bos_token_id=1, tie_word_embeddings=True)
     common.update(overrides)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
-    config = cls[0](**common)
+    cls = TINY_CLASSES[arch]
+    config = getattr(transformers, cls[0])(**common)
     torch.manual_seed(1234)
-    model = cls[1](config).to(torch.float32).eval()
+    model = getattr(transformers, cls[1])(config).to(torch.float32).eval()
+    if perturb_norms:
+        # transformers initialises norms to 1 (or 0 for Gemma's 1 + w) and biases to 0: a loader that dropped
+        # them would still match. Drawn here, every one of them changes the output.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.add_(0.3 * torch.randn_like(p))
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+# arch -> (transformers config class, model class): every architecture the engine has a module for
+TINY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
 
 
 @pytest.fixture(scope="session")
