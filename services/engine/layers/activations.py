@@ -30,13 +30,6 @@ ACTIVATIONS = {
 }
 
 
-def check_activation(name: str, field: str) -> str:
-    """`name`, or a ValueError naming the config field when pagedserve does not implement it."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"config field {field}={name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-    return name
-
-
 def gated(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     """`act(gate) * up` of a fused [T, 2I] buffer (gate first, as the loader stacks them)."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.layers.activations import check_activation
+from services.engine.layers.activations import ACTIVATIONS
 from services.engine.models.hf_config import FieldAudit
 from services.engine.models.spec import DecoderSpec, UnsupportedModelError
 
@@ -38,7 +38,12 @@ def sizes(cfg, head_dim: int | None = None) -> dict:
 
 
 def activation(cfg, field: str = "hidden_act") -> str:
-    return check_activation(getattr(cfg, field), field)
+    """The MLP activation's name, refused by name where layers/activations.py does not implement it."""
+    name = getattr(cfg, field)
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(f"config field {field}={name!r} is not supported (supported: "
+                                    f"{', '.join(ACTIVATIONS)})")
+    return name
 
 
 def layer_windows(cfg, architecture: str) -> list[int | None]:

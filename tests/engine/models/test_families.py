@@ -117,3 +117,24 @@ def test_greedy_matches_transformers(name, tmp_path_factory, hf_cache):
     assert all(o.num_cached_tokens >= 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
     assert llm.core.scheduler.num_preemptions >= 2
     assert llm.core.pool.num_in_use == 0, "every block is back in the pool"
+
+
+# Tensor parallelism over two ranks (rank 0 here, rank 1 a real `pagedserve engine-worker` over gloo), for
+# the variants whose sharding differs: Gemma's norms after the reduced outputs and its soft-caps, Phi-3's
+# fused checkpoint tensors split by rows, Qwen3's per-head norms with a wide head_dim, Llama's MLP biases
+# (gate/up column-parallel, down's added once), and the KV groups' tables sent to every rank.
+TP_VARIANTS = ["gemma2-softcaps", "gemma3-local-global", "llama-biases-gelu", "phi3-longrope-window",
+               "qwen3-head-dim"]
+
+
+@pytest.mark.parametrize("name", TP_VARIANTS)
+def test_two_ranks_match_transformers(name, tmp_path_factory, hf_cache):
+    model_dir, prompts, want = tiny(name, tmp_path_factory, hf_cache)
+    with LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
+             tensor_parallel_size=2, **VARIANTS[name][2]) as llm:
+        llm.step_hook = ForcedPreemption()
+        outs = generate(llm, prompts)
+        assert llm.core.scheduler.num_preemptions >= 2
+    for p, o, w in zip(prompts, outs, want, strict=True):
+        assert o.outputs[0].token_ids == w, f"{name}: prompt of {len(p)} tokens diverged at 2 ranks"
+    assert all(o.num_cached_tokens >= 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
