@@ -47,9 +47,10 @@ def attend_range(q, q_pos, k_head_ptr, v_head_ptr, table_row_ptr, n_start, n_end
         k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if HAS_SOFTCAP:
-            # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for every x (exp overflowing to inf gives 1).
-            capped = 1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)
-            s = capped * (softcap * 1.4426950408889634)
+            # tanh from one exponential of a non-positive argument: it never overflows.
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(s >= 0, t, -t) * (softcap * 1.4426950408889634)
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= q_pos[:, None])

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from services.engine.models.decoder import DecoderModel
 from services.engine.models.registry import MODULE_PATH, ModelChoice, choose_model, read_spec
-from services.engine.models.spec import DecoderSpec
+from services.engine.models.spec import DecoderSpec, UnsupportedModelError
 from services.engine.tp_shard import TensorParallelShard
 
 if TYPE_CHECKING:
@@ -44,7 +44,11 @@ def read_config(model_dir: Path) -> dict:
 
 def model_spec(hf_cfg: dict) -> DecoderSpec:
     """The DecoderSpec of a config a family module serves (what the TP plan and LoRA read)."""
-    return read_spec(choose_model(hf_cfg))
+    choice = choose_model(hf_cfg)
+    if choice.path != MODULE_PATH:
+        raise UnsupportedModelError(f"{choice.architecture} runs on the transformers path, which has no tensor "
+                                    "parallelism and no LoRA adapters: serve it on one rank without adapters")
+    return read_spec(choice)
 
 
 def plan_shard(config, group: RankGroup | None) -> TensorParallelShard | None:

@@ -72,6 +72,10 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
 
 
+def cfg_name(model) -> str:
+    return model.config.architecture
+
+
 def _describe_groups(plan) -> str:
     if plan.num_groups == 1 and plan.windows[0] is None:
         return ""
@@ -129,6 +133,9 @@ class ModelRunner:
             self.model = random_model(hf_cfg, self.dtype, self.device, backend, group=group,
                                       max_model_len=config.max_model_len)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
+        if self.model_path != MODULE_PATH and config.max_loras:
+            raise ValueError(f"{cfg_name(self.model)} runs on the transformers path, which serves no LoRA adapters: "
+                             "start without --max-loras")
         if group is not None:
             group.connect()  # every rank has its shard by now
         cfg = self.model.config
@@ -242,6 +249,8 @@ class ModelRunner:
         """Decode graphs for every batch size up to max_num_seqs (None where none can be captured:
         no capture given off CUDA, or a backend that reads the device on the host)."""
         attention = self.model.attn
+        if self.model_path != MODULE_PATH:
+            return None  # transformers' module tree runs eagerly
         if capture is None:
             if self.device.type != "cuda":
                 return None
@@ -321,7 +330,8 @@ class ModelRunner:
             return result
         logits, hidden = ran
         n = len(rows)
-        tokens, logprobs = self.sampler(logits[:n], rows, hidden[:n], self.model.head_weight)
+        tokens, logprobs = self.sampler(logits[:n], rows, None if hidden is None else hidden[:n],
+                                        self.model.head_weight)
         for seq_id, tok, lp in zip(step.owners, tokens, logprobs, strict=True):
             result.sampled.setdefault(seq_id, []).append(tok)
             if lp is not None:

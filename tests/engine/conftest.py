@@ -42,12 +42,14 @@ def make_tiny_model(out: Path, arch: str = "llama", perturb_norms: bool = False,
     return out
 
 
-# arch -> (transformers config class, model class): every architecture the engine has a module for
+# arch -> (transformers config class, model class)
 TINY_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    # No module of their own: the transformers backend serves them.
+    "olmo": ("OlmoConfig", "OlmoForCausalLM"), "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
 }
 
 

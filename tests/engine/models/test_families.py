@@ -121,10 +121,9 @@ def test_greedy_matches_transformers(name, tmp_path_factory, hf_cache):
 
 # Tensor parallelism over two ranks (rank 0 here, rank 1 a real `pagedserve engine-worker` over gloo), for
 # the variants whose sharding differs: Gemma's norms after the reduced outputs and its soft-caps, Phi-3's
-# fused checkpoint tensors split by rows, Qwen3's per-head norms with a wide head_dim, Llama's MLP biases
-# (gate/up column-parallel, down's added once), and the KV groups' tables sent to every rank.
-TP_VARIANTS = ["gemma2-softcaps", "gemma3-local-global", "llama-biases-gelu", "phi3-longrope-window",
-               "qwen3-head-dim"]
+# fused checkpoint tensors split by rows, Llama's MLP biases (gate/up column-parallel, down's added once),
+# and the KV groups' tables sent to every rank.
+TP_VARIANTS = ["gemma2-softcaps", "llama-biases-gelu", "phi3-longrope-window"]
 
 
 @pytest.mark.parametrize("name", TP_VARIANTS)
@@ -138,3 +137,34 @@ def test_two_ranks_match_transformers(name, tmp_path_factory, hf_cache):
     for p, o, w in zip(prompts, outs, want, strict=True):
         assert o.outputs[0].token_ids == w, f"{name}: prompt of {len(p)} tokens diverged at 2 ranks"
     assert all(o.num_cached_tokens >= 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
+
+
+# The whole engine on the Triton kernels (the interpreter, float32: it runs no bfloat16 dot) for a variant
+# with windows, soft-caps and two KV groups (tests/kernels/test_attention_options.py covers the kernels' options
+# one by one; the interpreter is too slow for every family here).
+@pytest.mark.parametrize("name", ["gemma2-softcaps"])
+def test_triton_backend_matches_transformers(name, tmp_path_factory, hf_cache):
+    model_dir, prompts, want = tiny(name, tmp_path_factory, hf_cache)
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
+              attention_backend="triton", **VARIANTS[name][2])
+    assert llm.runner.model.attn.name == "triton"
+    llm.step_hook = ForcedPreemption()
+    outs = generate(llm, prompts)
+    for p, o, w in zip(prompts, outs, want, strict=True):
+        assert o.outputs[0].token_ids == w, f"{name}: prompt of {len(p)} tokens diverged on Triton"
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_bfloat16_stays_close_to_float32(name, tmp_path_factory, hf_cache):
+    """bfloat16 on the CPU backend (the C++ kernels: fused norms, partial RoPE, windowed and soft-capped
+    decode) within the Llama tests' tolerance: the same first token, its logprob within 0.3."""
+    model_dir, prompts, _ = tiny(name, tmp_path_factory, hf_cache)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=str(model_dir), dtype=dtype, block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
+                  **VARIANTS[name][2])
+        got[dtype] = [o.outputs[0] for o in llm.generate(prompts[2:3], params, use_tqdm=False)]
+    a, b = got["float32"][0], got["bfloat16"][0]
+    assert a.token_ids[0] == b.token_ids[0]
+    assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.3
