@@ -31,7 +31,7 @@ from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch
 from services.engine.model_loader import load_model, random_model, read_config
-from services.engine.models.registry import MODULE_PATH
+from services.engine.models.registry import MODULE_PATH, choose_model
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
 from services.engine.step_broadcast import Op, StepSender
@@ -119,17 +119,23 @@ class ModelRunner:
         backend = resolve_backend(config.attention_backend, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")
-        start_bytes = memory_in_use(self.device)
         if random_weights is None and config.load_format == "random":
             random_weights = read_config(resolve_model(config.model))
+        # The checkpoint's config checked (and transformers' config classes imported: library code, like torch)
+        # before the memory baseline that the load's growth is measured from.
+        self.model_dir = resolve_model(config.model) if random_weights is None else None
+        if random_weights is None:
+            read_config(self.model_dir)
+        else:
+            choose_model(random_weights)
+        start_bytes = memory_in_use(self.device)
         self.model_path = MODULE_PATH
         if random_weights is None:
-            self.model_dir = resolve_model(config.model)
             self.model, hf_cfg, self.model_path = load_model(self.model_dir, self.dtype, self.device, backend, group,
                                                              config.max_model_len)
             model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
         else:
-            self.model_dir, hf_cfg = None, random_weights
+            hf_cfg = random_weights
             self.model = random_model(hf_cfg, self.dtype, self.device, backend, group=group,
                                       max_model_len=config.max_model_len)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
