@@ -45,7 +45,9 @@ GEMMA_NORMS = (("input_norm", "input_layernorm"), ("attn_out_norm", "post_attent
 
 
 @dataclass
-class DecoderSpec:
+class ModelShape:
+    """The sizes every model path reports (the runner, the KV cache, the TP plan and LoRA read these)."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -54,8 +56,12 @@ class DecoderSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
     max_position_embeddings: int
+
+
+@dataclass
+class DecoderSpec(ModelShape):
+    rms_norm_eps: float
     tie_word_embeddings: bool
     layers: tuple[LayerAttention, ...]
     hidden_act: str = "silu"

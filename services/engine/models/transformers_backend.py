@@ -30,7 +30,7 @@ import torch
 from services.engine.attention import AttentionMetadata, PagedAttention
 from services.engine.kv_groups import plan_kv_groups
 from services.engine.models.hf_config import parse_config
-from services.engine.models.spec import UnsupportedModelError
+from services.engine.models.spec import ModelShape, UnsupportedModelError
 
 if TYPE_CHECKING:
     from services.engine.models.registry import ModelChoice
@@ -122,22 +122,6 @@ def _register() -> None:
     AttentionInterface.register(IMPLEMENTATION, paged_attention)
 
 
-@dataclass
-class TransformersSpec:
-    """The sizes the runner, the KV cache and the handshake read (a family module's DecoderSpec has the same)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    notes: list[str]
-
-
 class TransformersModel:
     """The engine's model interface over a transformers module tree (one process: no tensor parallelism)."""
 
@@ -152,9 +136,9 @@ class TransformersModel:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         max_pos = getattr(text, "max_position_embeddings", None) or 2048
-        self.config = TransformersSpec(choice.architecture, text.vocab_size, text.hidden_size,
-                                       getattr(text, "intermediate_size", 0), text.num_hidden_layers, heads,
-                                       getattr(text, "num_key_value_heads", None) or heads, head_dim, max_pos, [])
+        self.config = ModelShape(choice.architecture, text.vocab_size, text.hidden_size,
+                                 getattr(text, "intermediate_size", 0), text.num_hidden_layers, heads,
+                                 getattr(text, "num_key_value_heads", None) or heads, head_dim, max_pos)
         self.device, self.dtype = device, dtype
         self.num_heads, self.num_kv_heads = heads, self.config.num_kv_heads
         self.group = self.shard = None

@@ -110,6 +110,11 @@ def test_greedy_matches_transformers(name, tmp_path_factory, hf_cache):
     # sequences are recomputed (from the prefix cache where it still holds their blocks).
     llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
               **VARIANTS[name][2])
+    run_and_check(name, llm, prompts, want)
+
+
+def run_and_check(name: str, llm: LLM, prompts, want) -> None:
+    """Generate with preemption forced; transformers' tokens, prefix hits, and every block back."""
     llm.step_hook = ForcedPreemption()
     outs = generate(llm, prompts)
     for p, o, w in zip(prompts, outs, want, strict=True):

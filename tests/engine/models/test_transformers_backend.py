@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from services import LLM
 from services.engine.models.spec import UnsupportedModelError
 from tests.engine.conftest import hf_greedy, make_tiny_model
-from tests.engine.models.test_families import MAX_TOKENS, ForcedPreemption, generate, prompts_for
+from tests.engine.models.test_families import MAX_TOKENS, prompts_for, run_and_check
 
 VARIANTS = {
     "olmo": {"clip_qkv": 4.0},  # OLMo clips q/k/v: transformers' own code does it
@@ -38,12 +38,7 @@ def test_greedy_matches_transformers(arch, tmp_path, caplog):
     assert llm.runner.info.model_path == "transformers"
     windows = llm.runner.info.kv_group_windows
     assert windows == ([0] if arch == "olmo" else [0, 10, 10, 10])
-    llm.step_hook = ForcedPreemption()
-    outs = generate(llm, prompts)
-    for p, o, w in zip(prompts, outs, want, strict=True):
-        assert o.outputs[0].token_ids == w, f"{arch}: prompt of {len(p)} tokens diverged from transformers"
-    assert all(o.num_cached_tokens >= 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
-    assert llm.core.scheduler.num_preemptions >= 2
+    run_and_check(arch, llm, prompts, want)
 
 
 def test_what_the_transformers_path_cannot_serve_is_refused_by_name(tmp_path):
