@@ -67,11 +67,6 @@ def generate(llm: LLM, prompts) -> list[list[int]]:
     return outs
 
 
-@pytest.fixture(scope="module")
-def hf_cache():
-    return {}
-
-
 def tiny(name: str, tmp_path_factory, hf_cache):
     arch, overrides, _ = VARIANTS[name]
     if name not in hf_cache:
