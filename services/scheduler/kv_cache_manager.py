@@ -83,7 +83,7 @@ class KVCacheManager:
 
     def _release_skipped(self, req: Sequence) -> None:
         """Free every sliding-group block that no later token of `req` can see."""
-        if not self.sliding or req.seq_id not in self.tables:
+        if req.seq_id not in self.tables:
             return
         tables, ids = self._all_tables(req.seq_id), self._all_ids(req.seq_id)
         for g in self.sliding:
@@ -145,6 +145,38 @@ class KVCacheManager:
     def allocate_slots(self, req: Sequence, num_new_tokens: int, cached: list[Column] | None = None,
                        watermark: bool = False) -> bool:
         """Make room for `num_new_tokens` more tokens of `req`; all-or-nothing. Returns False when short."""
+        if self.num_groups == 1 and not self.sliding:
+            return self._allocate_one_table(req, num_new_tokens, cached, watermark)
+        return self._allocate_groups(req, num_new_tokens, cached, watermark)
+
+    def _allocate_one_table(self, req: Sequence, num_new_tokens: int, cached: list[Column] | None,
+                            watermark: bool) -> bool:
+        """One full-attention group (no windows): the scheduler's hot path, kept to the plain table."""
+        table = self.tables.get(req.seq_id)
+        bs = self.block_size
+        if table is None:
+            hits = [col[0] for col in cached or ()]
+            need_touch_free = sum(1 for b in hits if b.ref_cnt == 0)
+            have_blocks, start, cow = len(hits), len(hits) * bs, False
+        else:
+            need_touch_free, have_blocks, start = 0, len(table), req.num_computed_tokens
+            # A partially filled, shared last block must be copied before we write into it.
+            cow = start % bs != 0 and table[start // bs].ref_cnt > 1
+        new_blocks = max(0, (start + num_new_tokens + bs - 1) // bs - have_blocks)
+        reserve = self.watermark_blocks if watermark else 0
+        if new_blocks + need_touch_free + int(cow) + reserve > self.pool.num_free:
+            return False
+        if table is None:
+            for b in hits:
+                self.pool.touch(b)
+            table = self.tables[req.seq_id] = hits
+            self.block_ids[req.seq_id] = [b.block_id for b in hits]
+            self.group_tables[req.seq_id], self.group_block_ids[req.seq_id] = [], []
+        self._grow(table, self.block_ids[req.seq_id], 0, start, new_blocks, cow)
+        return True
+
+    def _allocate_groups(self, req: Sequence, num_new_tokens: int, cached: list[Column] | None,
+                         watermark: bool) -> bool:
         seq_id = req.seq_id
         bs = self.block_size
         new_seq = seq_id not in self.tables
@@ -161,36 +193,36 @@ class KVCacheManager:
             need_touch_free = 0
             have = [len(t) for t in tables]
             start = req.num_computed_tokens
-            # A partially filled, shared last block must be copied before we write into it.
             cow = [start % bs != 0 and t[start // bs] is not None and t[start // bs].ref_cnt > 1 for t in tables]
         total_blocks = (start + num_new_tokens + bs - 1) // bs
         new_blocks = [max(0, total_blocks - h) for h in have]
-        needed = sum(new_blocks) + need_touch_free + sum(cow)
         reserve = self.watermark_blocks if watermark else 0
-        if needed + reserve > self.pool.num_free:
+        if sum(new_blocks) + need_touch_free + sum(cow) + reserve > self.pool.num_free:
             return False
         if new_seq:
-            for b in {id(b): b for col in cached for b in col if b is not None}.values():
+            for b in hit.values():
                 self.pool.touch(b)
             tables = [[col[g] for col in cached] for g in range(self.num_groups)]
             ids = [[NULL_BLOCK_ID if b is None else b.block_id for b in t] for t in tables]
             self.tables[seq_id], self.group_tables[seq_id] = tables[0], tables[1:]
             self.block_ids[seq_id], self.group_block_ids[seq_id] = ids[0], ids[1:]
-        tables, ids = self._all_tables(seq_id), self._all_ids(seq_id)
-        for g in range(self.num_groups):
-            table, row = tables[g], ids[g]
-            if cow[g]:
-                i = start // bs
-                src = table[i]
-                dst = self.pool.allocate(g)
-                self.pending_copies.append((src.block_id, dst.block_id))
-                self.pool.free(src)
-                table[i], row[i] = dst, dst.block_id
-            for _ in range(new_blocks[g]):
-                b = self.pool.allocate(g)
-                table.append(b)
-                row.append(b.block_id)
+        for g, (table, row) in enumerate(zip(self._all_tables(seq_id), self._all_ids(seq_id), strict=True)):
+            self._grow(table, row, g, start, new_blocks[g], cow[g])
         return True
+
+    def _grow(self, table: list, row: list[int], group: int, start: int, new_blocks: int, cow: bool) -> None:
+        """Copy-on-write of the block `start` falls in (when `cow`), then `new_blocks` fresh blocks."""
+        if cow:
+            i = start // self.block_size
+            src = table[i]
+            dst = self.pool.allocate(group)
+            self.pending_copies.append((src.block_id, dst.block_id))
+            self.pool.free(src)
+            table[i], row[i] = dst, dst.block_id
+        for _ in range(new_blocks):
+            b = self.pool.allocate(group)
+            table.append(b)
+            row.append(b.block_id)
 
     def record_hit(self, req: Sequence, num_hit_tokens: int) -> None:
         self.prefix_queries += req.num_tokens
@@ -201,16 +233,18 @@ class KVCacheManager:
         """Register the full blocks `req` has now computed, so later requests can reuse them; then give
         back the blocks its sliding windows have left behind."""
         if self.pool.enable_caching:
-            bs = self.block_size
-            n_full = req.num_computed_tokens // bs
-            self._extend_hashes(req, n_full * bs)
-            for table in self._all_tables(req.seq_id):
+            n_full = req.num_computed_tokens // self.block_size
+            self._extend_hashes(req, n_full * self.block_size)
+            hashes, register = req.block_hashes, self.pool.register
+            tables = (self.tables[req.seq_id],) if self.num_groups == 1 else self._all_tables(req.seq_id)
+            for table in tables:
                 for i in range(n_full - 1, -1, -1):
                     block = table[i]
                     if block is None or block.block_hash is not None:
                         break  # everything before it was registered (or released) earlier
-                    self.pool.register(block, req.block_hashes[i], i)
-        self._release_skipped(req)
+                    register(block, hashes[i], i)
+        if self.sliding:
+            self._release_skipped(req)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         tables = self._all_tables(parent.seq_id)
