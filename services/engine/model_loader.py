@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from services.engine.layers.rotary import rope_note
 from services.engine.models.decoder import DecoderModel
 from services.engine.models.registry import MODULE_PATH, ModelChoice, choose_model, read_spec
 from services.engine.models.spec import DecoderSpec, UnsupportedModelError
@@ -188,8 +189,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         model = load_transformers_model(choice, model_dir, dtype, device, attention_backend, group, max_model_len)
     log.info("%s runs on the %s path%s", choice.architecture, choice.path,
              "" if choice.path == MODULE_PATH else " (transformers' own model class, pagedserve's paged attention)")
-    for note in getattr(model.config, "notes", ()):
-        log.info("%s", note)
+    if choice.path == MODULE_PATH:
+        for rope in model.ropes:
+            note = rope_note(rope.spec, model.max_model_len)
+            if note:
+                log.info("%s", note)
     return model, hf_cfg, choice.path
 
 

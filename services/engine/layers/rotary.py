@@ -68,6 +68,18 @@ def longrope_uses_long_factors(spec: RopeSpec, max_model_len: int) -> bool:
     return max_model_len > int(spec.param("original_max_position_embeddings"))
 
 
+def rope_note(spec: RopeSpec, max_model_len: int) -> str | None:
+    """What the load log says about a RoPE whose transformers behaviour depends on the call (LongRoPE)."""
+    if spec.rope_type != "longrope":
+        return None
+    original = spec.param("original_max_position_embeddings")
+    if longrope_uses_long_factors(spec, max_model_len):
+        return (f"LongRoPE: long factors at every position (max_model_len {max_model_len} > original "
+                f"{original}); transformers uses the short ones for sequences within {original} tokens: pass "
+                f"--max-model-len {original} for them")
+    return f"LongRoPE: short factors (max_model_len {max_model_len} <= original {original}), as transformers"
+
+
 def _llama3(inv_freq: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     factor = float(spec.param("factor"))
     low, high = float(spec.param("low_freq_factor")), float(spec.param("high_freq_factor"))

@@ -4,7 +4,6 @@ factor set is used), and one `sliding_window` for every layer."""
 
 from __future__ import annotations
 
-from services.engine.layers.rotary import longrope_uses_long_factors
 from services.engine.models.family import SIZES, Family, activation, sizes, uniform_window
 from services.engine.models.hf_config import FieldAudit
 from services.engine.models.rope_config import rope_spec
@@ -15,23 +14,9 @@ def build_phi3(cfg, architecture: str) -> DecoderSpec:
     base = sizes(cfg)
     rope = rope_spec(cfg.rope_parameters, base["head_dim"], cfg.max_position_embeddings)
     window = uniform_window(cfg, architecture)
-    spec = DecoderSpec(architecture=architecture, **base, hidden_act=activation(cfg),
+    return DecoderSpec(architecture=architecture, **base, hidden_act=activation(cfg),
                        layout=CheckpointLayout(fused_qkv=True, fused_gate_up=True),
                        layers=tuple(LayerAttention(window, rope) for _ in range(cfg.num_hidden_layers)))
-    return spec
-
-
-def longrope_note(spec: DecoderSpec, max_model_len: int) -> str | None:
-    """What the load log says about a LongRoPE model's factor set (None for other RoPE types)."""
-    rope = spec.layers[0].rope
-    if rope.rope_type != "longrope":
-        return None
-    original = rope.param("original_max_position_embeddings")
-    if longrope_uses_long_factors(rope, max_model_len):
-        return (f"LongRoPE: long factors at every position (max_model_len {max_model_len} > original "
-                f"{original}); transformers uses the short ones for sequences within {original} tokens: pass "
-                f"--max-model-len {original} for them")
-    return f"LongRoPE: short factors (max_model_len {max_model_len} <= original {original}), as transformers"
 
 
 FAMILIES = (

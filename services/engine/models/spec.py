@@ -75,7 +75,6 @@ class DecoderSpec(ModelShape):
     norm_offset_one: bool = False  # Gemma: norms multiply by 1 + w, in float32
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
     layout: CheckpointLayout = field(default_factory=CheckpointLayout)
-    notes: list[str] = field(default_factory=list)  # what the load log says about this checkpoint
 
     def __post_init__(self):
         assert len(self.layers) == self.num_layers, (len(self.layers), self.num_layers)
