@@ -139,19 +139,17 @@ def test_two_ranks_match_transformers(name, tmp_path_factory, hf_cache):
     assert all(o.num_cached_tokens >= 16 for o in outs[1:]), [o.num_cached_tokens for o in outs]
 
 
-# The whole engine on the Triton kernels (the interpreter, float32: it runs no bfloat16 dot) for a variant
-# with windows, soft-caps and two KV groups (tests/kernels/test_attention_options.py covers the kernels' options
-# one by one; the interpreter is too slow for every family here).
-@pytest.mark.parametrize("name", ["gemma2-softcaps"])
-def test_triton_backend_matches_transformers(name, tmp_path_factory, hf_cache):
+# The whole engine on the other backends: the Triton kernels (the interpreter, float32: it runs no bfloat16
+# dot; too slow for every family, tests/kernels/test_attention_options.py covers the options one by one) on
+# windows, soft-caps and two KV groups, and the PyTorch references on several groups and partial rotary.
+@pytest.mark.parametrize("backend,name", [("triton", "gemma2-softcaps"), ("reference", "gemma3-local-global"),
+                                          ("reference", "phi3-longrope-window")])
+def test_other_backends_match_transformers(backend, name, tmp_path_factory, hf_cache):
     model_dir, prompts, want = tiny(name, tmp_path_factory, hf_cache)
     llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
-              attention_backend="triton", **VARIANTS[name][2])
-    assert llm.runner.model.attn.name == "triton"
-    llm.step_hook = ForcedPreemption()
-    outs = generate(llm, prompts)
-    for p, o, w in zip(prompts, outs, want, strict=True):
-        assert o.outputs[0].token_ids == w, f"{name}: prompt of {len(p)} tokens diverged on Triton"
+              attention_backend=backend, **VARIANTS[name][2])
+    assert llm.runner.model.attn.name == backend
+    run_and_check(f"{name} on {backend}", llm, prompts, want)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
