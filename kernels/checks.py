@@ -119,6 +119,15 @@ def check_prefill(op: str, q, k_cache, v_cache, block_tables, query_start_loc, c
                  query_start_loc=query_start_loc, context_lens=context_lens)
 
 
+def check_options(op: str, window, softcap) -> None:
+    """The attention options (kernels.reference): a window of >= 1 positions, a positive soft-cap."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{op}: window must be None or an integer >= 1, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not softcap > 0):
+        raise ValueError(f"{op}: softcap must be None or a number > 0, got {softcap!r}")
+
+
 def check_strides(op: str, **tensors: torch.Tensor) -> None:
     """Launcher-only: the Triton kernels need unit stride in the last dimension (and in 1-D index tensors)."""
     _unit_last_stride(op, **tensors)

@@ -64,8 +64,9 @@ def build_block_tables(context_lens: list[int], block_size: int, *, shared_block
 def make_paged_inputs(context_lens: list[int], q_lens: list[int] | None = None, *, num_q_heads: int,
                       num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu", shared_blocks: int = 0, poison_unused: bool = False,
-                      generator: torch.Generator | None = None) -> PagedInputs:
-    """Random inputs: decode when `q_lens` is None (one new token per sequence), else chunked prefill."""
+                      window: int | None = None, generator: torch.Generator | None = None) -> PagedInputs:
+    """Random inputs: decode when `q_lens` is None (one new token per sequence), else chunked prefill.
+    With `window` and `poison_unused`, positions no query's window reaches are poisoned too."""
     q_lens = [1] * len(context_lens) if q_lens is None else q_lens
     tables, num_blocks = build_block_tables(context_lens, block_size, shared_blocks=shared_blocks,
                                             generator=generator)
@@ -76,7 +77,10 @@ def make_paged_inputs(context_lens: list[int], q_lens: list[int] | None = None, 
     v_cache = torch.randn(shape, **rand).to(device)
     if poison_unused:
         used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-        used[slots_of(tables, context_lens, block_size)] = True
+        firsts = None
+        if window is not None:  # the oldest position the first new token of each sequence still sees
+            firsts = [max(0, c - q - window + 1) for c, q in zip(context_lens, q_lens, strict=True)]
+        used[slots_of(tables, context_lens, block_size, firsts)] = True
         k_cache.view(-1, num_kv_heads, head_dim)[~used.to(device)] = float("nan")
         v_cache.view(-1, num_kv_heads, head_dim)[~used.to(device)] = float("nan")
     starts = [0]
@@ -90,17 +94,19 @@ def make_paged_inputs(context_lens: list[int], q_lens: list[int] | None = None, 
     )
 
 
-def slots_of(block_tables: torch.Tensor, context_lens: list[int], block_size: int) -> torch.Tensor:
-    """Cache slots of every position of every sequence, concatenated."""
+def slots_of(block_tables: torch.Tensor, context_lens: list[int], block_size: int,
+             firsts: list[int] | None = None) -> torch.Tensor:
+    """Cache slots of every position of every sequence (from `firsts[s]` on, when given), concatenated."""
     slots = []
     for s, n in enumerate(context_lens):
-        pos = torch.arange(n)
+        pos = torch.arange(firsts[s] if firsts else 0, n)
         slots.append(block_tables[s].cpu().long()[pos // block_size] * block_size + pos % block_size)
     return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
 
 
-def dense_attention(inputs: PagedInputs) -> torch.Tensor:
-    """Float64, per sequence, from first principles: the answer every kernel and reference must match."""
+def dense_attention(inputs: PagedInputs, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Float64, per sequence, from first principles: the answer every kernel and reference must match.
+    `window`: a query at position p sees p - window + 1 .. p; `softcap`: scores capped as cap * tanh(s / cap)."""
     q = inputs.q.cpu().double()
     k_cache, v_cache = inputs.k_cache.cpu().double(), inputs.v_cache.cpu().double()
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -115,8 +121,14 @@ def dense_attention(inputs: PagedInputs) -> torch.Tensor:
         k = k_cache.view(-1, num_kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)  # [ctx, hq, d]
         v = v_cache.view(-1, num_kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end], k) * inputs.scale
-        q_pos = torch.arange(ctx - (q_end - q_start), ctx)
-        scores = scores.masked_fill(torch.arange(ctx)[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(ctx - (q_end - q_start), ctx)[None, :, None]
+        k_pos = torch.arange(ctx)[None, None, :]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out
 

@@ -1,7 +1,13 @@
 """PyTorch paged attention: the reference for the Triton kernels and the engine's CPU backend.
 
 KV layout per layer: `k_cache`, `v_cache` shaped `[num_blocks, block_size, num_kv_heads, head_dim]`;
-token slot = `block_id * block_size + offset`. Written with batched tensor ops (no Python loop over
+token slot = `block_id * block_size + offset`.
+
+Options every attention entry point takes (keyword-only, the same on every backend):
+- `window`: a query at position p sees keys at positions p - window + 1 .. p only (None: all earlier
+  ones), as transformers' sliding-window mask; block-table entries before the window are never read.
+- `softcap`: scores become `softcap * tanh(score / softcap)` before the softmax (Gemma 2), with the
+  score already scaled, as transformers' eager attention does. Written with batched tensor ops (no Python loop over
 decode sequences) because on the CPU this *is* the production path. Inputs are checked as the Triton
 launchers check them (kernels.checks), except for value checks that would cost an extra pass here.
 """
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from kernels.checks import (
     check_context_fits,
     check_decode,
+    check_options,
     check_prefill,
     check_query_layout,
     check_slots,
@@ -52,14 +59,34 @@ def _readable(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered keys or values SDPA can read: an FP8 cache's e4m3 values widened to the queries' dtype (the
     per-tensor scales are applied by the caller, to the softmax scale and to the output)."""
     return kv.to(dtype) if kv.dtype == torch.float8_e4m3fn else kv
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """q [B, Hq, Lq, D] over k/v [B, Hk, L, D]; mask broadcastable to [B, Hq, Lq, L] (True: visible)."""
+    gqa = k.shape[1] != q.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    # transformers' eager attention, op for op: scaled scores, capped, masked, softmax in float32.
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, *, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA): `[num_seqs, num_q_heads, head_dim]`."""
     op = "kernels.decode_attention_ref"
     check_decode(op, q, k_cache, v_cache, block_tables, context_lens, scale)
+    check_options(op, window, softcap)
     num_seqs, num_q_heads, head_dim = q.shape
     if num_seqs == 0:
         return q.new_empty(q.shape)
@@ -71,17 +98,18 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     v = _readable(_gather(v_cache, block_tables, num_blocks), q.dtype).transpose(1, 2)
     length = k.shape[2]
     positions = torch.arange(length, device=q.device)
-    mask = positions[None, :] < context_lens.to(q.device).long()[:, None]  # [S, L]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=k.shape[1] != num_q_heads,
-    )
+    lens = context_lens.to(q.device).long()[:, None]
+    mask = positions[None, :] < lens  # [S, L]
+    if window is not None:
+        mask &= positions[None, :] >= lens - window
+    out = _attend(q.unsqueeze(2).to(k.dtype), k, v, mask[:, None, None, :], False, scale, softcap)
     return out.squeeze(2).to(q.dtype)
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                          context_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """Chunked prefill over paged KV: sequence s's last `q_len_s` of `context_lens[s]` positions are new.
 
     Each new token attends causally to every earlier position of its sequence (cached blocks and the
@@ -90,6 +118,7 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """
     op = "kernels.prefill_attention_ref"
     check_prefill(op, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    check_options(op, window, softcap)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -97,7 +126,6 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     check_query_layout(op, starts, lens, q.shape[0])
     if lens:
         check_context_fits(op, min(lens), max(lens), block_tables, block_size, min_allowed=0)
-    num_q_heads = q.shape[1]
     for s in range(len(lens)):
         q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
         q_len = q_end - q_start
@@ -107,17 +135,23 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = _readable(_gather(k_cache, block_tables[s:s + 1], num_blocks)[0, :ctx], q.dtype).transpose(0, 1)
         v = _readable(_gather(v_cache, block_tables[s:s + 1], num_blocks)[0, :ctx], q.dtype).transpose(0, 1)
         qs = q[q_start:q_end].transpose(0, 1).to(k.dtype)  # [h, q_len, d]
-        if q_len == ctx:
-            mask = None
-            causal = True
-        else:
-            # New token i sits at position ctx - q_len + i and sees positions <= that.
-            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            causal = False
+        mask, causal = causal_mask(ctx - q_len, q_len, window, q.device)
         # 4-D inputs: PyTorch's CPU flash-attention kernel only takes batched input; 3-D falls back to
         # the unfused math path, several times slower.
-        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, is_causal=causal,
-                                           scale=scale, enable_gqa=k.shape[0] != num_q_heads)[0]
+        o = _attend(qs[None], k[None], v[None], mask, causal, scale, softcap)[0]
         out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def causal_mask(first_pos: int, q_len: int, window: int | None, device) -> tuple[torch.Tensor | None, bool]:
+    """(mask [q_len, first_pos + q_len] or None, is_causal) for new tokens at positions first_pos.. that
+    see every earlier position, or only the last `window` of them."""
+    if first_pos == 0 and window is None:
+        return None, True
+    ctx = first_pos + q_len
+    q_pos = torch.arange(first_pos, ctx, device=device)[:, None]
+    k_pos = torch.arange(ctx, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask, False

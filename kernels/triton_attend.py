@@ -6,6 +6,11 @@ position is gathered through the block table (block id = table[n // BLOCK_SIZE],
 a tile may span several KV blocks and the blocks need not be contiguous or unshared. Scores are kept in
 log2 units (`qk_scale` already holds scale * log2(e)) so the exponentials are exp2.
 
+Options, compiled in only where used (constexpr switches): a sliding window (a row at position p sees
+positions > p - window; callers also start their range at the window) and logit soft-capping
+(`softcap * tanh(score / softcap)` on the scaled score; `qk_scale` is then the plain scale and the
+log2 factor is applied after the cap).
+
 Importing this module imports Triton: only the launchers import it, lazily.
 """
 
@@ -19,7 +24,8 @@ import triton.language as tl
 def attend_range(q, q_pos, k_head_ptr, v_head_ptr, table_row_ptr, n_start, n_end, qk_scale,
                  stride_kb, stride_kt, stride_vb, stride_vt, ROWS: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 window=0, softcap=0.0, HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
     """Attend `ROWS` query rows to positions [n_start, n_end).
 
     Returns the unnormalised output `acc` [ROWS, BLOCK_D], the running max `m_i` (log2 units) and the
@@ -41,9 +47,16 @@ def attend_range(q, q_pos, k_head_ptr, v_head_ptr, table_row_ptr, n_start, n_end
         # .to: an FP8 cache's e4m3 values widened to the queries' type (its scales are applied by the caller)
         k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            # tanh from one exponential of a non-positive argument: it never overflows.
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(s >= 0, t, -t) * (softcap * 1.4426950408889634)
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen nothing yet keeps max -inf; shift by 0 instead so exp2 never sees inf - inf.

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_common
-from kernels.checks import check_context_fits, check_decode, check_strides
+from kernels.checks import check_context_fits, check_decode, check_options, check_strides
 from kernels.triton_attend import attend_range
 from kernels.triton_common import check_device, check_tile, device_guard, dot_precision, next_pow2, num_sms
 
@@ -41,22 +41,29 @@ PROGRAMS_PER_SM = 2
 
 # Arguments that vary from step to step: Triton would otherwise compile a variant for each value equal to 1 or
 # divisible by 16 (tests/engine/test_kernel_warmup.py counts the variants over a run of steps).
-@triton.jit(do_not_specialize=["num_splits", "stride_table"])
+@triton.jit(do_not_specialize=["num_splits", "stride_table", "window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr,
                          qk_scale, num_splits, min_split_tokens, num_q_heads,
                          stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh, stride_table, stride_os, stride_oh,
+                         window, softcap,
                          QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                         SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    # The positions the query sees: all of them, or the last `window` (the splits share only those).
+    first = context_len * 0
+    if HAS_WINDOW:
+        first = tl.maximum(context_len - window, 0)
+    seen_len = context_len - first
     # This sequence's share per split: whole tiles, never fewer than min_split_tokens positions.
-    split_len = tl.cdiv(tl.maximum(tl.cdiv(context_len, num_splits), min_split_tokens), TILE_N) * TILE_N
-    n_start = split * split_len
+    split_len = tl.cdiv(tl.maximum(tl.cdiv(seen_len, num_splits), min_split_tokens), TILE_N) * TILE_N
+    n_start = first + split * split_len
     n_end = tl.minimum(n_start + split_len, context_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -68,7 +75,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_le
     acc, m_i, l_i = attend_range(q, g, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
                                  tables_ptr + seq * stride_table, n_start, n_end, qk_scale,
                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_G,
-                                 BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, False, DOT_PRECISION)
+                                 BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, False, DOT_PRECISION,
+                                 softcap=softcap, HAS_SOFTCAP=HAS_SOFTCAP)
     # A split past this sequence's end saw nothing: it writes zeros and lse -inf (weight 0 in the reduce).
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -119,16 +127,18 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                           max_context_len: int | None = None, num_splits: int | None = None,
                           min_split_tokens: int = MIN_SPLIT_TOKENS, tile_n: int = DEFAULT_TILE_N,
-                          num_warps: int = 4, num_stages: int | None = None) -> Callable[[], torch.Tensor]:
+                          num_warps: int = 4, num_stages: int | None = None, window: int | None = None,
+                          softcap: float | None = None) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
     `max_context_len`: the longest context, known on the host. Given, the launch reads nothing back
     from the device (no sync, CUDA-graph safe) and the caller vouches for every context being in
     [1, max_context_len]; omitted, it is read from `context_lens` and every length is checked.
-    Split from the launch so the benchmark can time the kernels alone; the other keyword-only knobs are
-    for tests and the benchmark.
+    Split from the launch so the benchmark can time the kernels alone; `window` and `softcap` as in
+    kernels.reference; the other keyword-only knobs are for tests and the benchmark.
     """
     check_decode(OP, q, k_cache, v_cache, block_tables, context_lens, scale)
+    check_options(OP, window, softcap)
     check_device(OP, q)
     check_strides(OP, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                   context_lens=context_lens)
@@ -147,9 +157,10 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if min_split_tokens < 1:
         raise ValueError(f"{OP}: min_split_tokens must be >= 1, got {min_split_tokens}")
 
+    seen_max = max_len if window is None else min(max_len, window)  # positions one query sees at most
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, num_sms(q.device))
-    num_splits = useful_splits(max_len, num_splits, min_split_tokens, tile_n)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, seen_max, num_sms(q.device))
+    num_splits = useful_splits(seen_max, num_splits, min_split_tokens, tile_n)
     split = num_splits > 1
     if split:
         part_out = triton_common.alloc((num_seqs, num_q_heads, num_splits, head_dim), torch.float32, q.device)
@@ -164,13 +175,14 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         with device_guard(q):
             _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
                 q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-                float(scale) * LOG2E, num_splits, min_split_tokens, num_q_heads,
+                float(scale) * (1.0 if softcap else LOG2E), num_splits, min_split_tokens, num_q_heads,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-                out.stride(0), out.stride(1),
+                out.stride(0), out.stride(1), window or 0, float(softcap or 0.0),
                 QUERIES_PER_KV=queries_per_kv, BLOCK_G=max(16, next_pow2(queries_per_kv)), HEAD_DIM=head_dim,
                 BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=split,
-                DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, **extra,
+                DOT_PRECISION=dot_precision(q.dtype), HAS_WINDOW=window is not None,
+                HAS_SOFTCAP=softcap is not None, num_warps=num_warps, **extra,
             )
             if split:
                 _decode_reduce_kernel[(num_seqs, num_q_heads)](

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_common
-from kernels.checks import check_context_fits, check_prefill, check_query_layout, check_strides
+from kernels.checks import check_context_fits, check_options, check_prefill, check_query_layout, check_strides
 from kernels.triton_attend import attend_range
 from kernels.triton_common import check_device, check_tile, device_guard, dot_precision, next_pow2, num_sms
 
@@ -28,14 +28,15 @@ DEFAULT_TILE_N = 64
 
 
 # The block-table width varies from step to step: no variant per value divisible by 16 or equal to 1.
-@triton.jit(do_not_specialize=["stride_table"])
+@triton.jit(do_not_specialize=["stride_table", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc_ptr, context_lens_ptr,
                     out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                    stride_table, stride_ot, stride_oh,
+                    stride_table, stride_ot, stride_oh, window, softcap,
                     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -57,11 +58,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc
     q_pos = context_len - q_len + token
     # The tile's newest token is the last position any row here sees.
     n_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
+    # With a window, the tile's oldest token sees nothing before its own window.
+    n_start = context_len * 0
+    if HAS_WINDOW:
+        n_start = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
 
     acc, _, l_i = attend_range(q, q_pos, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
-                               tables_ptr + seq * stride_table, 0, n_end, qk_scale,
+                               tables_ptr + seq * stride_table, n_start, n_end, qk_scale,
                                stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_Q * BLOCK_G,
-                               BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION)
+                               BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
+                               window=window, softcap=softcap, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP)
     # Every valid row sees at least position 0, so l_i > 0 there; padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -79,16 +85,19 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float, *, max_query_len: int | None = None,
                            max_context_len: int | None = None, block_m: int | None = None,
                            tile_n: int = DEFAULT_TILE_N, num_warps: int | None = None,
-                           num_stages: int | None = None) -> Callable[[], torch.Tensor]:
+                           num_stages: int | None = None, window: int | None = None,
+                           softcap: float | None = None) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
     `max_query_len` and `max_context_len`: the longest chunk and context, known on the host. Given
     both, the launch reads nothing back from the device and the caller vouches for the layout
     (query_start_loc running 0..num_tokens, no chunk longer than its context); omitted, the offsets and
     lengths are read once and checked. Split from the launch so the benchmark can time the kernel
-    alone; the other keyword-only knobs are for tests and the benchmark.
+    alone; `window` and `softcap` as in kernels.reference; the other keyword-only knobs are for tests and
+    the benchmark.
     """
     check_prefill(OP, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    check_options(OP, window, softcap)
     check_device(OP, q)
     check_strides(OP, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                   query_start_loc=query_start_loc, context_lens=context_lens)
@@ -129,13 +138,15 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     def run() -> torch.Tensor:
         with device_guard(q):
             _prefill_kernel[grid](
-                q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, float(scale) * LOG2E,
+                q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+                float(scale) * (1.0 if softcap else LOG2E),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-                out.stride(0), out.stride(1),
+                out.stride(0), out.stride(1), window or 0, float(softcap or 0.0),
                 QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
-                DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, **extra,
+                DOT_PRECISION=dot_precision(q.dtype), HAS_WINDOW=window is not None,
+                HAS_SOFTCAP=softcap is not None, num_warps=num_warps, **extra,
             )
         return out
 

@@ -140,10 +140,12 @@ class LLM:
 
     def chat(self, conversations: list[list[dict]] | list[dict],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`chat_template_kwargs`: extra template variables, e.g. {"enable_thinking": False} for Qwen3."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(msgs) for msgs in conversations]
+        prompts = [self.tokenizer.apply_chat_template(msgs, template_kwargs=chat_template_kwargs)
+                   for msgs in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:

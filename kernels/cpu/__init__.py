@@ -49,13 +49,17 @@ def amx_in_use() -> bool:
     return mod is not None and mod.amx_available() and os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0"
 
 
-def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float, *,
+                         window: int | None = None, softcap: float | None = None):
+    """`window`, `softcap`: as in kernels.reference (the C++ kernel's generic path takes them)."""
     mod = load()
     if mod is None:
         from kernels.reference import decode_attention_ref
 
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return mod.paged_decode(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window=window,
+                                    softcap=softcap)
+    return mod.paged_decode(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale,
+                            window or 0, softcap or 0.0)
 
 
 def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -104,11 +104,12 @@ torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, 
   return out;
 }
 
-// Rotate, in place, the query and key heads that sit at the front of each fused qkv row.
+// Rotate, in place, the query and key heads that sit at the front of each fused qkv row: the first R dims
+// of each head of D (partial rotary when R < D), with tables of R / 2 columns.
 template <typename T>
 static void rope_kernel(T* qkv, const int64_t* pos, const float* cos, const float* sin, int64_t rows,
-                        int64_t row_s, int64_t heads, int64_t D) {
-  const int64_t half = D / 2;
+                        int64_t row_s, int64_t heads, int64_t D, int64_t R) {
+  const int64_t half = R / 2;
   at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* c = cos + pos[r] * half;
@@ -139,13 +140,16 @@ static void rope_kernel(T* qkv, const int64_t* pos, const float* cos, const floa
 }
 
 void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                  int64_t rotated_heads, int64_t head_dim) {
+                  int64_t rotated_heads, int64_t head_dim, int64_t rotary_dim) {
+  if (rotary_dim < 0) rotary_dim = head_dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be 2-D with contiguous rows");
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim && cos.size(-1) == rotary_dim / 2,
+              "rotary_dim must be even, <= head_dim, and twice the tables' width");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "tables: float32");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_inplace", [&] {
     rope_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                          sin.data_ptr<float>(), qkv.size(0), qkv.stride(0), rotated_heads, head_dim);
+                          sin.data_ptr<float>(), qkv.size(0), qkv.stride(0), rotated_heads, head_dim, rotary_dim);
   });
 }
 

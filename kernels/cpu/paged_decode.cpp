@@ -32,14 +32,15 @@ constexpr int64_t kPrefetch = 16;  // rows ahead to prefetch (into L2: see decod
 // Second half of a register-resident task: softmax the G score rows in place, then accumulate the
 // weighted value rows (G x C float32 registers) and write the normalised outputs to `acc`.
 template <typename T, int G, int C>
-static inline void softmax_values(const T* vc, const int32_t* table, int64_t L, int64_t BS, int64_t c_s0,
-                                  int64_t c_s1, int64_t h_off, float* scores, float* acc) {
+static inline void softmax_values(const T* vc, const int32_t* table, int64_t t0, int64_t L, int64_t BS,
+                                  int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores, float* acc) {
+  const int64_t n = L - t0;  // scores[g * n + (t - t0)] for positions t in [t0, L)
   float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * L, L);
+  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * n, n);
   __m512 a[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = t0; t < L; ++t) {
     const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
     if (t + kPrefetch < L) {  // blocks sit at random addresses: hardware prefetchers stop at each one
       const char* ahead = reinterpret_cast<const char*>(
@@ -50,7 +51,7 @@ static inline void softmax_values(const T* vc, const int32_t* table, int64_t L, 
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+      const __m512 w = _mm512_set1_ps(scores[g * n + t - t0]);
       for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
     }
   }
@@ -66,31 +67,34 @@ static inline void softmax_values(const T* vc, const int32_t* table, int64_t L, 
 // queries and the output accumulators never leave registers. SmolLM2 (G=3, D=64) and most GQA models
 // with D=64 take this path.
 template <typename T, int G, int C>
-static void attend_group_regs(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L,
-                              int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores, float* acc) {
+static void attend_group_regs(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0,
+                              int64_t L, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float cap,
+                              float* scores, float* acc) {
+  const int64_t n = L - t0;
   __m512 q[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qf + g * C * 16 + 16 * c);
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = t0; t < L; ++t) {
     const T* kp = kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
     __m512 k[C];
     for (int c = 0; c < C; ++c) k[c] = load16(kp + 16 * c);
     for (int g = 0; g < G; ++g) {
       __m512 sum = _mm512_mul_ps(q[g][0], k[0]);
       for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(q[g][c], k[c], sum);
-      scores[g * L + t] = _mm512_reduce_add_ps(sum);
+      scores[g * n + t - t0] = _mm512_reduce_add_ps(sum);
     }
   }
-  softmax_values<T, G, C>(vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);
+  cap_scores(scores, G * n, cap);
+  softmax_values<T, G, C>(vc, table, t0, L, BS, c_s0, c_s1, h_off, scores, acc);
 }
 
 template <typename T>
-static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L,
-                              int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off,
-                              float* scores, float* acc) {
+static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0,
+                              int64_t L, int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1,
+                              int64_t h_off, float cap, float* scores, float* acc) {
 #define PAGEDSERVE_CASE(GG, CC)                                                                              \
   if (G == GG && D == CC * 16) {                                                                            \
-    attend_group_regs<T, GG, CC>(qf, kc, vc, table, L, BS, c_s0, c_s1, h_off, scores, acc);                 \
+    attend_group_regs<T, GG, CC>(qf, kc, vc, table, t0, L, BS, c_s0, c_s1, h_off, cap, scores, acc);        \
     return true;                                                                                            \
   }
   PAGEDSERVE_CASE(1, 4) PAGEDSERVE_CASE(2, 4) PAGEDSERVE_CASE(3, 4) PAGEDSERVE_CASE(4, 4)
@@ -99,6 +103,13 @@ static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const i
   return false;
 }
 #endif
+
+// Logit soft-capping (Gemma 2): cap * tanh(score / cap) on the scaled scores, in place; cap 0: none.
+static inline void cap_scores(float* scores, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
 
 // Normalised softmax of each of the G score rows, in place (the portable paths).
 static inline void softmax_rows(float* scores, int64_t G, int64_t L) {
@@ -113,36 +124,39 @@ static inline void softmax_rows(float* scores, int64_t G, int64_t L) {
   }
 }
 
-// One (sequence, KV head) task: the G query heads of the group attend over the sequence's blocks.
+// One (sequence, KV head) task: the G query heads of the group attend over positions [t0, L) of the
+// sequence's blocks (t0 > 0: a sliding window), scores soft-capped when cap > 0.
 // Two passes (scores, then weighted values) over rows read in place from the cache.
 template <typename T>
-static void attend_group(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t L, int64_t G,
-                         int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores,
-                         float* acc, float* row) {
+static void attend_group(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0, int64_t L,
+                         int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float cap,
+                         float* scores, float* acc, float* row) {
+  const int64_t n = L - t0;
 #if defined(__AVX512F__)
   // float8 caches take the portable path (rows widened through a 256-entry table).
   if constexpr (!std::is_same<T, double>::value && !std::is_same<T, c10::Float8_e4m3fn>::value) {
-  if (attend_group_fast<T>(qf, kc, vc, table, L, G, D, BS, c_s0, c_s1, h_off, scores, acc)) return;
+  if (attend_group_fast<T>(qf, kc, vc, table, t0, L, G, D, BS, c_s0, c_s1, h_off, cap, scores, acc)) return;
   if (D % 16 == 0 && D <= 256) {
     const int64_t C = D / 16;
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = t0; t < L; ++t) {
       const T* kp = kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
       __m512 k[16];
       for (int64_t c = 0; c < C; ++c) k[c] = load16(kp + 16 * c);
       for (int64_t g = 0; g < G; ++g) {
         __m512 sum = _mm512_mul_ps(load16(qf + g * D), k[0]);
         for (int64_t c = 1; c < C; ++c) sum = _mm512_fmadd_ps(load16(qf + g * D + 16 * c), k[c], sum);
-        scores[g * L + t] = _mm512_reduce_add_ps(sum);
+        scores[g * n + t - t0] = _mm512_reduce_add_ps(sum);
       }
     }
-    softmax_rows(scores, G, L);
+    cap_scores(scores, G * n, cap);
+    softmax_rows(scores, G, n);
     std::fill(acc, acc + G * D, 0.f);
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = t0; t < L; ++t) {
       const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
       __m512 v[16];
       for (int64_t c = 0; c < C; ++c) v[c] = load16(vp + 16 * c);
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+        const __m512 w = _mm512_set1_ps(scores[g * n + t - t0]);
         float* ag = acc + g * D;
         for (int64_t c = 0; c < C; ++c)
           _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(ag + 16 * c)));
@@ -152,20 +166,21 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
   }
   }
 #endif
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = t0; t < L; ++t) {
     widen(kc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
     for (int64_t g = 0; g < G; ++g) {
       float dot = 0.f;
       for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * row[d];
-      scores[g * L + t] = dot;
+      scores[g * n + t - t0] = dot;
     }
   }
-  softmax_rows(scores, G, L);
+  cap_scores(scores, G * n, cap);
+  softmax_rows(scores, G, n);
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = t0; t < L; ++t) {
     widen(vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + t] * row[d];
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * n + t - t0] * row[d];
   }
 }
 
@@ -176,19 +191,20 @@ static void decode_kernel(const T* __restrict q, const C* __restrict kc, const C
                           const int32_t* __restrict bt, const int32_t* __restrict cl, T* __restrict out,
                           int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t BS, int64_t MB,
                           int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1, int64_t c_s2,
-                          int64_t o_s0, int64_t o_s1, float scale) {
+                          int64_t o_s0, int64_t o_s1, float scale, int64_t window, float cap) {
   const int64_t G = Hq / Hk;
   at::parallel_for(0, S * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / Hk, h = task % Hk;
       const int64_t L = cl[s];
+      const int64_t t0 = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       for (int64_t g = 0; g < G; ++g) {
         widen(q + s * q_s0 + (h * G + g) * q_s1, qf.data() + g * D, D);
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
       }
-      scores.resize(G * L);
-      attend_group<C>(qf.data(), kc, vc, bt + s * MB, L, G, D, BS, c_s0, c_s1, h * c_s2, scores.data(),
+      scores.resize(G * (L - t0));
+      attend_group<C>(qf.data(), kc, vc, bt + s * MB, t0, L, G, D, BS, c_s0, c_s1, h * c_s2, cap, scores.data(),
                       acc.data(), row.data());
       for (int64_t g = 0; g < G; ++g) {
         T* op = out + s * o_s0 + (h * G + g) * o_s1;
@@ -213,8 +229,11 @@ bool decode_bf16_usable(int64_t G, int64_t D, int64_t Hk);
 bool amx_decode_usable(int64_t G, int64_t D, int64_t BS);
 bool amx_available();
 
+// window > 0: each query sees only the last `window` positions of its context; softcap > 0: scores are
+// soft-capped. Either option takes the generic kernel (the AMX and AVX512-BF16 paths have neither).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window,
+                           double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be 3-D and the caches 4-D");
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k_cache and v_cache must share strides");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
@@ -222,7 +241,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty_like(q);
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), MB = block_tables.size(1);
-  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
+  if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && window == 0 && softcap == 0) {
     for (auto path : {&paged_decode_amx, &paged_decode_bf16})  // each says false when it cannot take this
       if (path(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), S,
@@ -238,7 +258,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                   block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                                   out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
                                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-                                  out.stride(1), static_cast<float>(scale));
+                                  out.stride(1), static_cast<float>(scale), window, static_cast<float>(softcap));
     });
     return out;
   }
@@ -248,7 +268,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                             block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                             out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-                            out.stride(1), static_cast<float>(scale));
+                            out.stride(1), static_cast<float>(scale), window, static_cast<float>(softcap));
   });
   return out;
 }
@@ -256,7 +276,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // Defined in fused_ops.cpp.
 torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps);
 void rope_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                  int64_t rotated_heads, int64_t head_dim);
+                  int64_t rotated_heads, int64_t head_dim, int64_t rotary_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor argmax_rows_exact(torch::Tensor x, torch::Tensor hidden, torch::Tensor weight);
@@ -279,13 +299,17 @@ torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, do
 bool prefill_bf16_supported(int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("set_amx_enabled", &set_amx_enabled, "allow the AMX decode path (returns the previous setting)");
   m.def("amx_decode_usable", &amx_decode_usable, "whether the AMX path takes (group, head_dim, block_size) now");
   m.def("decode_bf16_usable", &decode_bf16_usable, "whether the AVX512-BF16 decode path takes (group, head_dim, kv_heads)");
   m.def("amx_available", &amx_available, "whether this build and CPU can run the AMX decode path");
   m.def("add_rms_norm", &add_rms_norm, "h += delta; return rms_norm(h) * weight");
-  m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place");
+  m.def("rope_inplace", &rope_inplace, "rotary embedding of the q and k heads of a fused qkv buffer, in place "
+        "(the first rotary_dim dims of each head; -1: all)", py::arg("qkv"), py::arg("positions"), py::arg("cos"),
+        py::arg("sin"), py::arg("rotated_heads"), py::arg("head_dim"), py::arg("rotary_dim") = -1);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up buffer");
   m.def("write_kv", &write_kv, "new keys and values into their cache slots (-1 skipped)");
   m.def("argmax_rows_exact", &argmax_rows_exact, "greedy argmax with near-ties rescored in float32");

@@ -84,6 +84,9 @@ class ScheduledSequence:
     # A prompt chunk that does not end the prompt, for an engine whose drafter is an EAGLE-3 head: the
     # prompt's next token (the head reads each position with the token after it); -1 otherwise.
     next_prompt_token: int = -1
+    # The block tables of KV groups 1.. (EngineInfo.kv_group_windows; block_table is group 0's): empty for a
+    # model with one group. A sliding-window group's entries before its window name block 0 and are never read.
+    group_block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -107,6 +110,8 @@ class SchedulerOutput:
             d["sampling"] = _fields(s.sampling)
             if s.penalties is not None:  # the common row carries nothing of it
                 d["penalties"] = _fields(s.penalties)
+            if s.group_block_tables:  # nor of these (a model with one KV group)
+                d["group_block_tables"] = s.group_block_tables
             seqs.append(d)
         wire = {"step_id": self.step_id, "sequences": seqs, "blocks_to_copy": [list(p) for p in self.blocks_to_copy]}
         if self.lora_slots:
@@ -124,8 +129,9 @@ class SchedulerOutput:
                    lora_slots=[tuple(p) for p in d.get("lora_slots", ())])
 
 
-# Every field of a ScheduledSequence but the optional sub-specs, which go on the wire only when present.
-_WIRED_ALWAYS = tuple(name for name in ScheduledSequence.__dataclass_fields__ if name != "penalties")
+# Every field of a ScheduledSequence but the optional ones, which go on the wire only when present.
+_WIRED_ALWAYS = tuple(name for name in ScheduledSequence.__dataclass_fields__
+                      if name not in ("penalties", "group_block_tables"))
 
 
 def _penalties_from_wire(s: dict) -> dict:
@@ -182,6 +188,9 @@ class EngineInfo:
     # tokens it proposes per step.
     draft_method: str = ""
     max_draft_tokens: int = 0
+    # One entry per KV group: the sliding window of its layers, 0 for full attention (services/engine/kv_groups.py)
+    kv_group_windows: list[int] = field(default_factory=lambda: [0])
+    model_path: str = "pagedserve"  # how the engine runs the model: "pagedserve" (a family module) or "transformers"
 
     def to_wire(self) -> dict:
         return asdict(self)

@@ -13,10 +13,14 @@ CPU):
   AMX runs it, masked SDPA otherwise). CPU tensors only.
 - `reference`: the PyTorch references (kernels.reference), on any device: the specification. They read
   index tensors on the host (a sync per call on CUDA), so they are never captured in a CUDA graph.
+
+Every backend takes a layer's options the same way: its sliding `window` (None: full attention) and
+the model's attention-logit `softcap` (None: none), besides the scale.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +49,7 @@ class AttentionMetadata:
     prefill_max_context_len: int = 0
     # (q_start, q_end, context_len) per prefill sequence, relative to num_decode, as Python ints.
     prefill_spans: list[tuple[int, int, int]] | None = None
-    step_cache: dict | None = None  # per-step scratch shared by all layers (CPU prefill masks)
+    step_cache: dict | None = None  # per-step scratch shared by one KV group's layers (CPU prefill masks)
 
 
 def resolve_backend(name: str | None, device: torch.device) -> str:
@@ -82,16 +86,16 @@ class TritonBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                         scale, max_context_len=meta.decode_max_context_len,
-                                        num_splits=meta.decode_num_splits)
+                                        num_splits=meta.decode_num_splits, **options)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
                                          meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
                                          max_query_len=meta.prefill_max_query_len,
-                                         max_context_len=meta.prefill_max_context_len)
+                                         max_context_len=meta.prefill_max_context_len, **options)
 
 
 class CpuBackend:
@@ -109,12 +113,13 @@ class CpuBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                            **options)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return self._prefill(q, k, v, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_spans, scale,
-                             meta.step_cache)
+                             meta.step_cache, **options)
 
 
 class ReferenceBackend:
@@ -129,13 +134,14 @@ class ReferenceBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         kernels.write_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, scale)
+                                            meta.decode_context_lens, scale, **options)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, **options) -> torch.Tensor:
         return kernels.prefill_attention_ref(q, k_cache, v_cache, meta.prefill_block_tables,
-                                             meta.prefill_query_start_loc, meta.prefill_context_lens, scale)
+                                             meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+                                             **options)
 
 
 _BACKEND_CLASSES = {"triton": TritonBackend, "cpu": CpuBackend, "reference": ReferenceBackend}
@@ -150,24 +156,33 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+                 kv_scales: tuple[float, float] | None = None, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]. `kv_scales`: an FP8 cache's per-tensor
-        (k_scale, v_scale) (services/engine/kv_cache_fp8.py)."""
+        (k_scale, v_scale) (services/engine/kv_cache_fp8.py); `window`, `softcap`: the layer's sliding window
+        and attention-logit soft-cap."""
+        # Only options that are set are passed on: the common call stays the plain one.
+        options = {}
+        if window is not None:
+            options["window"] = window
+        if softcap is not None:
+            options["softcap"] = softcap
         if kv_scales is not None:
-            return attend_fp8(self._attend, q, k, v, k_cache, v_cache, meta, scale, kv_scales)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale)
+            return attend_fp8(functools.partial(self._attend, **options), q, k, v, k_cache, v_cache, meta, scale,
+                              kv_scales)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, **options)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                raw: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                raw: tuple[torch.Tensor, torch.Tensor] | None = None, **options) -> torch.Tensor:
         """`raw`: what to write into the cache when it is not k and v themselves (an FP8 cache's e4m3 values)."""
         b = self.backend
         b.write_kv(*(raw if raw is not None else (k, v)), k_cache, v_cache, meta)
         nd = meta.num_decode
         if nd == q.shape[0]:
-            return b.decode(q, k_cache, v_cache, meta, scale)
+            return b.decode(q, k_cache, v_cache, meta, scale, **options)
         if nd == 0:
-            return b.prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return b.prefill(q, k, v, k_cache, v_cache, meta, scale, **options)
         out = torch.empty_like(q)
-        out[:nd] = b.decode(q[:nd], k_cache, v_cache, meta, scale)
-        out[nd:] = b.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+        out[:nd] = b.decode(q[:nd], k_cache, v_cache, meta, scale, **options)
+        out[nd:] = b.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, **options)
         return out

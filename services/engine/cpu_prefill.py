@@ -12,6 +12,10 @@ every block before them, which the kernel's units read once for up to 16 query r
 the one call still beats a gather and a masked SDPA call per sequence (W3 +10% end to end on an AMD
 EPYC). float32 keeps the masked SDPA call per sequence (batching them into one padded, masked SDPA call
 was measured slower here).
+
+A sliding window or logit soft-capping (`window`, `softcap`) takes one route for every sequence, fresh
+or continuing: in bfloat16 each new token as a decode query through the C++ kernel's generic path
+(which reads only the window), otherwise the PyTorch reference per sequence.
 """
 
 from __future__ import annotations
@@ -33,12 +37,16 @@ GATHER_MIN_TOKENS = 64
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor,
                           spans: list[tuple[int, int, int]], scale: float,
-                          step_cache: dict | None = None) -> torch.Tensor:
+                          step_cache: dict | None = None, *, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """q/k/v: the new tokens of the prefill sequences, flattened; spans: (start, end, context_len).
 
-    `step_cache` (one dict per step, shared by all layers) keeps each continuation's block index and
-    causal mask, which are the same in every layer, so they are built once per step, not once per layer.
+    `step_cache` (one dict per step and KV group, shared by the group's layers) keeps each
+    continuation's block index and causal mask, which are the same in every layer, so they are built
+    once per step, not once per layer.
     """
+    if window is not None or softcap is not None:
+        return _with_options(q, k_cache, v_cache, block_tables, spans, scale, step_cache, window, softcap)
     out = torch.empty_like(q)
     gqa = k.shape[1] != q.shape[1]
     fresh_kernel = _fresh_kernel(q)
@@ -131,7 +139,24 @@ def _decode_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and load() is not None
 
 
-def _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continuing, scale, out, step_cache):
+def _with_options(q, k_cache, v_cache, block_tables, spans, scale, step_cache, window, softcap):
+    out = torch.empty_like(q)
+    every = list(range(len(spans)))
+    if _decode_kernel_takes(q, k_cache):
+        _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, every, scale, out, step_cache,
+                                  window=window, softcap=softcap)
+        return out
+    for i in every:
+        start, end, ctx = spans[i]
+        out[start:end] = prefill_attention_ref(q[start:end], k_cache, v_cache, block_tables[i:i + 1],
+                                               block_tables.new_tensor([0, end - start]),
+                                               block_tables.new_tensor([ctx]), scale, window=window,
+                                               softcap=softcap)
+    return out
+
+
+def _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continuing, scale, out, step_cache,
+                              window: int | None = None, softcap: float | None = None):
     """Every new token of every continuation as one decode query over the cache (its KV is written)."""
     entry = step_cache.get("decodes") if step_cache is not None else None
     if entry is None:
@@ -145,4 +170,5 @@ def _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continui
         if step_cache is not None:
             step_cache["decodes"] = entry
     rows, tables, lens = entry
-    out[rows] = load().paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale)
+    out[rows] = load().paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, window or 0,
+                                    softcap or 0.0)

@@ -112,7 +112,8 @@ class DecodeGraphs:
     """Captured decode graphs by batch size, and the replay of a padded decode step."""
 
     def __init__(self, model, kv_caches, attention: PagedAttention, device: torch.device, block_size: int,
-                 max_num_seqs: int, max_model_len: int, capture, lora: LoraSlots | None = None):
+                 max_num_seqs: int, max_model_len: int, capture, lora: LoraSlots | None = None,
+                 num_groups: int = 1):
         self.block_size = block_size
         self.max_context = min(GRAPH_MAX_CONTEXT, max_model_len)
         self.width = -(-self.max_context // block_size)
@@ -121,14 +122,15 @@ class DecodeGraphs:
         self.buckets: dict[int, _Bucket] = {}
         started = time.monotonic()
         for size in reversed(self.sizes):
-            pad = padding_step(size, self.width, block_size)
+            pad = padding_step(size, self.width, block_size, num_groups)
             buffer = pad.host.to(device)
             t = pad.layout.tensors(buffer)
-            meta = AttentionMetadata(
-                slot_mapping=t.slot_mapping, num_decode=size, decode_block_tables=t.decode_block_tables,
+            splits = attention.backend.num_splits(size, model.num_kv_heads, self.max_context)
+            meta = [AttentionMetadata(
+                slot_mapping=t.slot_mapping[g], num_decode=size, decode_block_tables=t.decode_block_tables[g],
                 decode_context_lens=t.decode_context_lens, decode_max_context_len=self.max_context,
-                decode_num_splits=attention.backend.num_splits(size, model.num_kv_heads, self.max_context),
-                prefill_block_tables=None, prefill_query_start_loc=None, prefill_context_lens=None)
+                decode_num_splits=splits, prefill_block_tables=None, prefill_query_start_loc=None,
+                prefill_context_lens=None) for g in range(num_groups)]
 
             lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device) if lora is not None else None
 

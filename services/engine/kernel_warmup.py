@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def warmup_outputs(num_q_heads: int, num_kv_heads: int, block_size: int, max_model_len: int, num_kv_blocks: int,
-                   sms: int) -> list[SchedulerOutput]:
-    """The synthetic steps: each sequence on its own blocks, tokens 0, nothing sampled."""
+                   sms: int, num_groups: int = 1) -> list[SchedulerOutput]:
+    """The synthetic steps: each sequence on its own blocks (in every KV group), tokens 0, nothing sampled."""
     from kernels.triton_common import next_pow2
     from kernels.triton_decode import MIN_SPLIT_TOKENS
 
@@ -42,12 +42,14 @@ def warmup_outputs(num_q_heads: int, num_kv_heads: int, block_size: int, max_mod
         for kind, lengths in (("d", decodes), ("p", prefills)):
             for i, n in enumerate(lengths):
                 blocks = -(-n // block_size)
-                if next_block + blocks > num_kv_blocks:
+                if next_block + blocks * num_groups > num_kv_blocks:
                     break
-                table = list(range(next_block, next_block + blocks))
-                next_block += blocks
+                tables = [list(range(next_block + g * blocks, next_block + (g + 1) * blocks))
+                          for g in range(num_groups)]
+                next_block += blocks * num_groups
                 tokens, start = ([0], n - 1) if kind == "d" else ([0] * n, 0)
-                seqs.append(ScheduledSequence(f"warmup-{kind}{i}", tokens, start, table, False, SamplingSpec()))
+                seqs.append(ScheduledSequence(f"warmup-{kind}{i}", tokens, start, tables[0], False, SamplingSpec(),
+                                              group_block_tables=tables[1:]))
         if seqs:
             outs.append(SchedulerOutput(-step_id, seqs))
     return outs
@@ -61,7 +63,7 @@ def warm_up(runner) -> None:
     started = time.monotonic()
     model = runner.model
     outs = warmup_outputs(model.num_heads, model.num_kv_heads, runner.block_size, runner.max_model_len,
-                          runner.num_kv_blocks, num_sms(runner.device))
+                          runner.num_kv_blocks, num_sms(runner.device), runner.kv_plan.num_groups)
     for out in outs:
         runner.run_step(runner.inputs.build(out))
     runner.arena.zero_()

@@ -1,7 +1,8 @@
 """Executes one SchedulerOutput: builds the step's inputs on the host, runs the model, samples.
 
 Owns the weights, the KV cache tensors (one key and one value tensor per layer shaped
-`[num_blocks, block_size, num_kv_heads, head_dim]`) and the decode CUDA graphs. Per step: validate and
+`[num_blocks, block_size, num_kv_heads, head_dim]`, slots of one arena shared by the model's KV groups:
+services/engine/kv_groups.py) and the decode CUDA graphs. Per step: validate and
 lay out the inputs on the host (services/engine/step_inputs.py), copy them to the device once, run the
 forward (eagerly, or a decode step replayed from its graph), sample. Makes no scheduling decision.
 
@@ -32,7 +33,8 @@ from services.engine.kv_cache_fp8 import cache_dtype
 from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch
-from services.engine.model_loader import load_llama, random_llama, read_config
+from services.engine.model_loader import load_model, random_model, read_config
+from services.engine.models.registry import MODULE_PATH, choose_model
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
 from services.engine.spec_decode.draft_model import DraftModel
@@ -79,6 +81,18 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
 
 
+def cfg_name(model) -> str:
+    return model.config.architecture
+
+
+def _describe_groups(plan) -> str:
+    if plan.num_groups == 1 and plan.windows[0] is None:
+        return ""
+    kinds = ", ".join(f"{plan.windows.count(w)} x {'full' if w is None else f'window {w}'}"
+                      for w in dict.fromkeys(plan.windows))
+    return f"; KV groups of {plan.group_size} layers: {kinds}"
+
+
 def _eos_ids(model_dir: Path, hf_cfg: dict) -> list[int]:
     ids: set[int] = set()
     sources = [hf_cfg.get("eos_token_id")]
@@ -112,27 +126,43 @@ class ModelRunner:
         backend = resolve_backend(config.attention_backend, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")
-        start_bytes = memory_in_use(self.device)
         if random_weights is None and config.load_format == "random":
             random_weights = read_config(resolve_model(config.model))
+        # The checkpoint's config checked (and transformers' config classes imported: library code, like torch)
+        # before the memory baseline that the load's growth is measured from.
+        self.model_dir, gguf = (resolve_weights(config.model, config.quantization) if random_weights is None
+                                else (None, None))
         if random_weights is None:
-            self.model_dir, gguf = resolve_weights(config.model, config.quantization)
-            self.model, hf_cfg = load_llama(self.model_dir, self.dtype, self.device, backend, group,
-                                            quantization=config.quantization, gguf=gguf)
+            read_config(self.model_dir)
+        else:
+            choose_model(random_weights)
+        start_bytes = memory_in_use(self.device)
+        self.model_path = MODULE_PATH
+        if random_weights is None:
+            self.model, hf_cfg, self.model_path = load_model(self.model_dir, self.dtype, self.device, backend, group,
+                                                             config.max_model_len, quantization=config.quantization,
+                                                             gguf=gguf)
             model_id, eos = model_id_of(config.model, self.model_dir), _eos_ids(self.model_dir, hf_cfg)
         else:
-            self.model_dir, hf_cfg = None, random_weights
-            self.model = random_llama(hf_cfg, self.dtype, self.device, backend, group=group)
+            hf_cfg = random_weights
+            self.model = random_model(hf_cfg, self.dtype, self.device, backend, group=group,
+                                      max_model_len=config.max_model_len)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
+        if self.model_path != MODULE_PATH and config.max_loras:
+            raise ValueError(f"{cfg_name(self.model)} runs on the transformers path, which serves no LoRA adapters: "
+                             "start without --max-loras")
         if group is not None:
             group.connect()  # every rank has its shard by now
         cfg = self.model.config
         self.block_size = block_size
-        # A rank's cache holds its own KV heads: the same number of blocks fits on every rank.
-        # An FP8 cache's pool is sized by its one-byte element: twice the blocks of a bfloat16 one.
+        plan = self.kv_plan = self.model.kv_plan
+        # A block is one page of `group_size` layers (all of them without sliding windows). A rank's cache
+        # holds its own KV heads: the same number of blocks fits on every rank. An FP8 cache's pool is sized
+        # by its one-byte element: twice the blocks of a bfloat16 one.
         self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
+        self._check_model_path_options(config, plan)
         self.model.kv_scales = self._kv_scales(config.kv_cache_dtype)
-        per_block = (2 * cfg.num_layers * block_size * self.model.num_kv_heads * cfg.head_dim
+        per_block = (2 * plan.group_size * block_size * self.model.num_kv_heads * cfg.head_dim
                      * self.cache_dtype.itemsize)
         # Speculative decoding's draft model: its own KV cache over the same block ids (sized together).
         self.drafter = self._load_drafter(backend)
@@ -143,7 +173,7 @@ class ModelRunner:
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
-        arena_shape = (cfg.num_layers, 2, *shape)
+        arena_shape = (plan.group_size, 2, *shape)
         try:
             self.arena = torch.empty(arena_shape, dtype=self.cache_dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory, on the CPU as on CUDA
@@ -154,8 +184,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             advise_huge_pages(self.arena)
         self.arena.zero_()
-        self.kv_caches = [(self.arena[i, 0], self.arena[i, 1]) for i in range(cfg.num_layers)]
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.kv_caches = [(self.arena[s, 0], self.arena[s, 1]) for s in plan.layer_slot]
+        self.max_model_len = self.model.max_model_len
         self.memory = [RankMemory(0 if group is None else group.rank, self.model.weight_bytes,
                                   self.arena.numel() * self.arena.element_size(), start_bytes)]
         if group is not None:
@@ -174,7 +204,8 @@ class ModelRunner:
             self.drafter.allocate(self.num_kv_blocks, block_size, self.max_model_len)
         num_drafts = self.drafter.num_tokens if self.drafter is not None else 0
         self.inputs = StepInputBuilder(StepLimits(block_size, self.num_kv_blocks, self.max_model_len,
-                                                  cfg.vocab_size, max_propose=num_drafts), self.device)
+                                                  cfg.vocab_size, max_propose=num_drafts,
+                                                  num_kv_groups=plan.num_groups), self.device)
         if self.device.type == "cuda" and backend == "triton":
             warm_up(self)  # every kernel variant compiles now, not while serving
         self.sender = None
@@ -195,17 +226,18 @@ class ModelRunner:
             model_id=model_id, block_size=block_size, num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len, vocab_size=cfg.vocab_size, dtype=dtype, device=str(self.device),
             eos_token_ids=eos, max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank if config.max_loras else 0,
+            max_lora_rank=config.max_lora_rank if config.max_loras else 0, kv_group_windows=plan.wire_windows,
+            model_path=self.model_path,
             draft_method=config.speculative.method if self.drafter is not None else "", max_draft_tokens=num_drafts)
         if group is not None and group.rank != 0:
             log.info("tensor-parallel rank %d of %d ready on %s: %s", group.rank, group.size, self.device,
                      self.memory[group.rank].describe())
             return
         tp = "" if group is None else f", tensor parallel over {group.size} ranks"
-        log.info("engine ready: %s on %s, %s attention%s%s, %d KV blocks of %d tokens (%.2f GiB%s)",
+        log.info("engine ready: %s on %s, %s attention%s%s, %d KV blocks of %d tokens (%.2f GiB%s)%s",
                  self.info.model_id, self.device, backend, ", CUDA graphs" if self.graphs is not None else "", tp,
                  self.num_kv_blocks, block_size, self.num_kv_blocks * per_block / 2**30,
-                 "" if group is None else " per rank")
+                 "" if group is None else " per rank", _describe_groups(plan))
         for m in self.memory:
             log.info("memory: %s", m.describe())
 
@@ -224,8 +256,23 @@ class ModelRunner:
                  drafter.config.num_layers, spec.num_speculative_tokens)
         return drafter
 
+    def _check_model_path_options(self, config: EngineConfig, plan) -> None:
+        """What runs only on a family module's model with one KV group, refused by name elsewhere."""
+        spec = config.speculative
+        if self.model_path != MODULE_PATH:
+            if self.cache_dtype == torch.float8_e4m3fn:
+                raise ValueError(f"kv_cache_dtype: {cfg_name(self.model)} runs on the transformers path, whose "
+                                 "attention reads no FP8 KV cache scales: use --kv-cache-dtype auto")
+            if spec is not None and spec.method == "eagle3":
+                raise ValueError(f"speculative_config.method: eagle3 reads the target's hidden states, which "
+                                 f"{cfg_name(self.model)} on the transformers path does not keep")
+        if spec is not None and spec.proposer_in_engine and plan.num_groups > 1:
+            raise ValueError(f"speculative_config.method: {spec.method}'s KV cache follows one block table, and "
+                             f"this model's sliding-window layers use {plan.num_groups} KV groups; use the ngram "
+                             "method or no speculative decoding")
+
     def _kv_scales(self, kv_cache_dtype: str) -> list[tuple[float, float]] | None:
-        found = self.model.checkpoint_kv_scales
+        found = getattr(self.model, "checkpoint_kv_scales", None)
         if cache_dtype(kv_cache_dtype, self.dtype) != torch.float8_e4m3fn:
             if found is not None:
                 log.info("the checkpoint has FP8 KV cache scales; --kv-cache-dtype fp8 would use them")
@@ -281,6 +328,8 @@ class ModelRunner:
         """Decode graphs for every batch size up to max_num_seqs (None where none can be captured:
         no capture given off CUDA, or a backend that reads the device on the host)."""
         attention = self.model.attn
+        if self.model_path != MODULE_PATH:
+            return None  # transformers' module tree runs eagerly
         if capture is None:
             if self.device.type != "cuda":
                 return None
@@ -290,7 +339,7 @@ class ModelRunner:
             capture = CudaGraphCapture(self.device)
         return DecodeGraphs(self.model, self.kv_caches, attention, self.device, self.block_size,
                             self.config.max_num_seqs, self.max_model_len, capture,
-                            self.lora.slots if self.lora is not None else None)
+                            self.lora.slots if self.lora is not None else None, self.kv_plan.num_groups)
 
     def reset(self) -> None:
         if self.drafter is not None:
@@ -313,8 +362,10 @@ class ModelRunner:
         arena = self.arena.view(torch.uint8) if self.arena.dtype == torch.float8_e4m3fn else self.arena
         arena.index_copy_(2, dst, arena.index_select(2, src))
 
-    def _metadata(self, step: StepInputs, t: StepTensors) -> AttentionMetadata:
-        return step.attention_metadata(t, self.model.attn, self.model.num_kv_heads)
+    def _metadata(self, step: StepInputs, t: StepTensors) -> list[AttentionMetadata]:
+        """One AttentionMetadata per KV group: the group's slots and tables, everything else shared."""
+        return [step.attention_metadata(t, self.model.attn, self.model.num_kv_heads, g)
+                for g in range(self.kv_plan.num_groups)]
 
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """Copy-on-write, then the forward of a validated step: (logits of the sampled rows, final hidden
@@ -353,7 +404,8 @@ class ModelRunner:
         if ran is not None and rows:
             logits, hidden = ran
             n = len(rows)
-            tokens, logprobs = self.sampler(logits[:n], rows, hidden[:n], self.model.head_weight)
+            tokens, logprobs = self.sampler(logits[:n], rows, None if hidden is None else hidden[:n],
+                                            self.model.head_weight)
             for seq_id, tok, lp in zip(step.owners, tokens, logprobs, strict=True):
                 result.sampled.setdefault(seq_id, []).append(tok)
                 if lp is not None:

@@ -38,8 +38,8 @@ class Op(enum.IntEnum):
 
 _FIELDS = ("op", "seq", "nbytes", "num_tokens", "num_samples", "num_decode", "decode_width", "num_prefill",
            "prefill_width", "num_copies", "decode_max_context_len", "prefill_max_query_len",
-           "prefill_max_context_len", "graph_batch", "num_real_decodes", "num_lora_segments")
-_HEADER_BYTES = 8 * 16
+           "prefill_max_context_len", "graph_batch", "num_real_decodes", "num_lora_segments", "num_groups")
+_HEADER_BYTES = 8 * 24
 INLINE_BYTES = 16384  # a decode step of 64 sequences with 4k-token contexts needs ~6 KiB
 MESSAGE_BYTES = _HEADER_BYTES + INLINE_BYTES
 assert len(_FIELDS) <= _HEADER_BYTES // 8
@@ -48,14 +48,15 @@ assert len(_FIELDS) <= _HEADER_BYTES // 8
 def _layout_of(h: dict[str, int]) -> StepLayout:
     return StepLayout.of(num_tokens=h["num_tokens"], num_samples=h["num_samples"], num_decode=h["num_decode"],
                          decode_width=h["decode_width"], num_prefill=h["num_prefill"],
-                         prefill_width=h["prefill_width"], num_copies=h["num_copies"])
+                         prefill_width=h["prefill_width"], num_copies=h["num_copies"], num_groups=h["num_groups"])
 
 
 def _header_of(step: StepInputs) -> dict[str, int]:
     shapes = step.layout.shapes
     return {"nbytes": step.layout.nbytes, "num_tokens": step.num_tokens, "num_samples": shapes["sample_idx"][0],
-            "num_decode": step.num_decode, "decode_width": shapes["decode_block_tables"][1],
-            "num_prefill": shapes["prefill_context_lens"][0], "prefill_width": shapes["prefill_block_tables"][1],
+            "num_decode": step.num_decode, "decode_width": shapes["decode_block_tables"][2],
+            "num_prefill": shapes["prefill_context_lens"][0], "prefill_width": shapes["prefill_block_tables"][2],
+            "num_groups": shapes["slot_mapping"][0],
             "num_copies": step.num_copies, "decode_max_context_len": step.decode_max_context_len,
             "prefill_max_query_len": step.prefill_max_query_len,
             "prefill_max_context_len": step.prefill_max_context_len,

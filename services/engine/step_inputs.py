@@ -60,13 +60,14 @@ class StepLayout:
 
     @classmethod
     def of(cls, *, num_tokens: int, num_samples: int, num_decode: int, decode_width: int, num_prefill: int,
-           prefill_width: int, num_copies: int = 0) -> StepLayout:
+           prefill_width: int, num_copies: int = 0, num_groups: int = 1) -> StepLayout:
+        """`num_groups`: KV groups (services/engine/kv_groups.py); each has its own slots and block tables."""
         shapes = {
-            "input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_tokens,),
+            "input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_groups, num_tokens),
             "sample_idx": (num_samples,), "copy_src": (num_copies,), "copy_dst": (num_copies,),
-            "decode_context_lens": (num_decode,), "decode_block_tables": (num_decode, decode_width),
+            "decode_context_lens": (num_decode,), "decode_block_tables": (num_groups, num_decode, decode_width),
             "prefill_query_start_loc": (num_prefill + 1 if num_prefill else 0,),
-            "prefill_context_lens": (num_prefill,), "prefill_block_tables": (num_prefill, prefill_width),
+            "prefill_context_lens": (num_prefill,), "prefill_block_tables": (num_groups, num_prefill, prefill_width),
         }
         spans, at = {}, 0
         for name in _INT64_FIELDS + _INT32_FIELDS:
@@ -88,7 +89,8 @@ class StepLayout:
 
 @dataclass
 class StepTensors:
-    """The step's index tensors on the device, views of one buffer (empty where a field is)."""
+    """The step's index tensors on the device, views of one buffer (empty where a field is). Slots and block
+    tables have a leading KV-group dimension."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -139,14 +141,15 @@ class StepInputs:
         buf = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
         return self.layout.tensors(buf)
 
-    def attention_metadata(self, t: StepTensors, attn, num_kv_heads: int) -> AttentionMetadata:
-        """What `attn` (a model's PagedAttention, with this many KV heads on this rank) reads of the step."""
+    def attention_metadata(self, t: StepTensors, attn, num_kv_heads: int, group: int = 0) -> AttentionMetadata:
+        """What `attn` (a model's PagedAttention, with this many KV heads on this rank) reads of the step, for
+        the layers of KV group `group` (its slots and block tables; everything else is shared)."""
         nd = self.num_decode
         splits = attn.backend.num_splits(nd, num_kv_heads, self.decode_max_context_len) if nd else None
         return AttentionMetadata(
-            slot_mapping=t.slot_mapping, num_decode=nd, decode_block_tables=t.decode_block_tables,
+            slot_mapping=t.slot_mapping[group], num_decode=nd, decode_block_tables=t.decode_block_tables[group],
             decode_context_lens=t.decode_context_lens, decode_max_context_len=self.decode_max_context_len,
-            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables,
+            decode_num_splits=splits, prefill_block_tables=t.prefill_block_tables[group],
             prefill_query_start_loc=t.prefill_query_start_loc, prefill_context_lens=t.prefill_context_lens,
             prefill_max_query_len=self.prefill_max_query_len, prefill_max_context_len=self.prefill_max_context_len,
             prefill_spans=self.prefill_spans, step_cache={})
@@ -164,6 +167,7 @@ class StepInputBuilder:
     def __init__(self, limits: StepLimits, device: torch.device):
         self.limits = limits
         self.pin = device.type == "cuda"
+        self.num_groups = limits.num_kv_groups
 
     def _fail(self, out: SchedulerOutput) -> InvalidStepError:
         faults = find_faults(out, self.limits)
@@ -189,6 +193,7 @@ class StepInputBuilder:
     def _build(self, out: SchedulerOutput, graph_batch_for) -> StepInputs:
         lim = self.limits
         bs, max_len, vocab = lim.block_size, lim.max_model_len, lim.vocab_size
+        extra_groups = self.num_groups - 1
         seqs = out.sequences
         decodes, prefills = [], []
         ok = len({s.seq_id for s in seqs}) == len(seqs)
@@ -200,6 +205,9 @@ class StepInputBuilder:
                   and isinstance(s.sample_index, int) and 0 <= s.sample_index < INDEX_LIMIT
                   and isinstance(s.output_index, int) and 0 <= s.output_index < INDEX_LIMIT)
             k, ahead = s.num_draft_tokens, s.propose_draft_tokens
+            tables = s.group_block_tables
+            ok = ok and type(tables) is list and len(tables) == extra_groups and (
+                not extra_groups or all(type(t) is list and len(t) * bs >= start + n for t in tables))
             if s.sample is True:
                 banned, mask = s.banned_token_ids, s.token_bitmask
                 ok = (ok and isinstance(s.num_samples, int) and 1 <= s.num_samples <= MAX_NUM_SAMPLES
@@ -227,7 +235,7 @@ class StepInputBuilder:
         # shared blocks still in cache when it reaches the next sequence of the group. (Every table has
         # a first block by now; one that cannot be compared raises TypeError: refused below.)
         decodes.sort(key=lambda s: s.block_table[0])
-        decode_blocks, prefill_blocks = self._table_entries(decodes), self._table_entries(prefills)
+        decode_blocks, prefill_blocks = self._group_entries(decodes), self._group_entries(prefills)
         nd, npf = len(decodes), len(prefills)
         decode_max = max((s.start_pos + 1 for s in decodes), default=0)
         batch = None
@@ -257,10 +265,21 @@ class StepInputBuilder:
             raise _Refused
         return arr
 
-    def _table_entries(self, seqs) -> tuple[np.ndarray, np.ndarray]:
-        """(lengths, every entry concatenated) of the sequences' block tables, checked."""
-        lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-        return lens, self._ints(list(chain.from_iterable(s.block_table for s in seqs)), self.limits.num_kv_blocks)
+    def _table_entries(self, tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, every entry concatenated) of block tables, checked."""
+        lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+        return lens, self._ints(list(chain.from_iterable(tables)), self.limits.num_kv_blocks)
+
+    def _group_entries(self, seqs) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`_table_entries` of each KV group's tables of the sequences (group 0: `block_table`)."""
+        out = [self._table_entries([s.block_table for s in seqs])]
+        for g in range(self.num_groups - 1):
+            out.append(self._table_entries([s.group_block_tables[g] for s in seqs]))
+        return out
+
+    @staticmethod
+    def _width(entries) -> int:
+        return max(int(lens.max(initial=0)) for lens, _ in entries)
 
     @staticmethod
     def _fill_tables(dst: np.ndarray, entries) -> None:
@@ -289,15 +308,16 @@ class StepInputBuilder:
                     owners.append(s.seq_id)
         return sample_idx, rows, owners
 
-    def _decode_slots(self, v, decodes, entries) -> np.ndarray:
-        """Fill the decode rows' tables, positions and context lengths; returns their KV slots."""
+    def _decode_slots(self, v, decodes, entries) -> None:
+        """Fill the decode rows' tables, positions, context lengths and (every group's) KV slots."""
         bs, nd = self.limits.block_size, len(decodes)
-        dt = v["decode_block_tables"]
-        self._fill_tables(dt, entries)
         pos = np.fromiter((s.start_pos for s in decodes), dtype=np.int64, count=nd)
         v["positions"][:nd] = pos
         v["decode_context_lens"][:nd] = pos + 1
-        return dt[np.arange(nd), pos // bs].astype(np.int64) * bs + pos % bs
+        for g, group_entries in enumerate(entries):
+            dt = v["decode_block_tables"][g]
+            self._fill_tables(dt, group_entries)
+            v["slot_mapping"][g, :nd] = dt[np.arange(nd), pos // bs].astype(np.int64) * bs + pos % bs
 
     def _eager_step(self, out, decodes, prefills, decode_blocks, prefill_blocks, decode_max: int) -> StepInputs:
         bs = self.limits.block_size
@@ -307,9 +327,9 @@ class StepInputBuilder:
         sample_idx, rows, owners = self._rows(decodes + prefills)
         pairs = out.blocks_to_copy
         layout = StepLayout.of(
-            num_tokens=num_tokens, num_samples=len(sample_idx), num_decode=nd,
-            decode_width=int(decode_blocks[0].max(initial=0)), num_prefill=npf,
-            prefill_width=int(prefill_blocks[0].max(initial=0)), num_copies=len(pairs))
+            num_tokens=num_tokens, num_samples=len(sample_idx), num_decode=nd, decode_width=self._width(decode_blocks),
+            num_prefill=npf, prefill_width=self._width(prefill_blocks), num_copies=len(pairs),
+            num_groups=self.num_groups)
         host, v = self._alloc(layout)
         tokens = [s.token_ids[0] for s in decodes]
         tokens += chain.from_iterable(s.token_ids for s in prefills)
@@ -320,11 +340,9 @@ class StepInputBuilder:
             v["copy_dst"][:] = [p[1] for p in pairs]
         slots = v["slot_mapping"]
         if nd:
-            slots[:nd] = self._decode_slots(v, decodes, decode_blocks)
+            self._decode_slots(v, decodes, decode_blocks)
         spans, max_q, max_ctx = [], 0, 0
         if npf:
-            pt = v["prefill_block_tables"]
-            self._fill_tables(pt, prefill_blocks)
             starts = np.fromiter((s.start_pos for s in prefills), dtype=np.int64, count=npf)
             lens = np.asarray(q_lens, dtype=np.int64)
             qsl = v["prefill_query_start_loc"]
@@ -335,12 +353,16 @@ class StepInputBuilder:
             row = np.repeat(np.arange(npf), lens)
             pos = np.arange(num_tokens - nd, dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64) - starts, lens)
             v["positions"][nd:] = pos
-            slots[nd:] = pt[row, pos // bs].astype(np.int64) * bs + pos % bs
+            for g, group_entries in enumerate(prefill_blocks):
+                pt = v["prefill_block_tables"][g]
+                self._fill_tables(pt, group_entries)
+                slots[g, nd:] = pt[row, pos // bs].astype(np.int64) * bs + pos % bs
             bounds, ctx_list = qsl.tolist(), ctx.tolist()
             spans = [(bounds[i], bounds[i + 1], ctx_list[i]) for i in range(npf)]
             max_q, max_ctx = int(lens.max()), int(ctx.max())
         if np.unique(slots).size != slots.size:
-            raise _Refused  # two sequences writing one KV slot: a copy-on-write the scheduler forgot
+            # Two sequences (or groups) writing one KV slot: a copy-on-write the scheduler forgot.
+            raise _Refused
         return StepInputs(layout, host, num_tokens, nd, decode_max, max_q, max_ctx, spans, rows, owners,
                           num_copies=len(pairs), num_real_decodes=nd,
                           lora_segments=self._lora_segments(decodes + prefills),
@@ -373,15 +395,15 @@ class StepInputBuilder:
         attend to one position of block 0 and are never sampled."""
         size, width = batch
         nd = len(decodes)
-        layout = decode_graph_layout(size, width)
+        layout = decode_graph_layout(size, width, self.num_groups)
         host, v = self._alloc(layout)
         ids, slots = v["input_ids"], v["slot_mapping"]
         ids[:nd] = self._ints([s.token_ids[0] for s in decodes], self.limits.vocab_size)
         ids[nd:] = 0
-        slots[:nd] = self._decode_slots(v, decodes, decode_blocks)
-        if np.unique(slots[:nd]).size != nd:
+        self._decode_slots(v, decodes, decode_blocks)
+        if np.unique(slots[:, :nd]).size != nd * self.num_groups:
             raise _Refused
-        slots[nd:] = -1
+        slots[:, nd:] = -1
         v["positions"][nd:] = 0
         v["decode_context_lens"][nd:] = 1
         v["sample_idx"][:] = np.arange(size)
@@ -394,16 +416,16 @@ class _Refused(Exception):
     """The fast check failed: `find_faults` says why."""
 
 
-def decode_graph_layout(size: int, width: int) -> StepLayout:
+def decode_graph_layout(size: int, width: int, num_groups: int = 1) -> StepLayout:
     """The buffer of a captured decode graph: `size` single-token rows, tables `width` blocks wide."""
     return StepLayout.of(num_tokens=size, num_samples=size, num_decode=size, decode_width=width, num_prefill=0,
-                         prefill_width=0)
+                         prefill_width=0, num_groups=num_groups)
 
 
-def padding_step(size: int, width: int, block_size: int) -> StepInputs:
+def padding_step(size: int, width: int, block_size: int, num_groups: int = 1) -> StepInputs:
     """A decode step of `size` padding rows only: what graphs are warmed up and captured with (it writes
     no KV slot and reads only position 0 of block 0)."""
-    layout = decode_graph_layout(size, width)
+    layout = decode_graph_layout(size, width, num_groups)
     host = torch.zeros(layout.nbytes, dtype=torch.uint8)
     v = layout.host_views(host.numpy())
     v["slot_mapping"][:] = -1

@@ -31,6 +31,7 @@ class StepLimits:
     max_model_len: int
     vocab_size: int
     max_propose: int = 0  # tokens the engine's drafter may be asked to propose (0: it has none)
+    num_kv_groups: int = 1  # block tables each sequence brings: block_table + group_block_tables
 
 
 def bitmask_size(vocab_size: int) -> int:
@@ -157,14 +158,20 @@ def _sequence_faults(s, limits: StepLimits) -> list[StepFault]:
     elif isinstance(tokens, list) and start + len(tokens) > limits.max_model_len:
         bad("start_pos", f"positions {start}..{start + len(tokens) - 1} reach past max_model_len "
                          f"{limits.max_model_len}")
-    why = _int_list_fault(table, 0, limits.num_kv_blocks, "block ids")
-    if why:
-        bad("block_table", f"{why} (the pool has {limits.num_kv_blocks} blocks)")
-    elif _is_int(start) and isinstance(tokens, list):
-        need = -(-(start + len(tokens)) // limits.block_size)
-        if len(table) < need:
-            bad("block_table", f"{len(table)} blocks cover {len(table) * limits.block_size} positions; "
-                               f"start_pos + len(token_ids) = {start + len(tokens)} needs {need}")
+    groups = s.group_block_tables
+    if not isinstance(groups, list) or len(groups) != limits.num_kv_groups - 1:
+        bad("group_block_tables", f"must be a list of {limits.num_kv_groups - 1} block tables (the model has "
+                                  f"{limits.num_kv_groups} KV groups), got {_short(groups)}")
+        groups = []
+    for field, t in [("block_table", table), *((f"group_block_tables[{g}]", t) for g, t in enumerate(groups))]:
+        why = _int_list_fault(t, 0, limits.num_kv_blocks, "block ids")
+        if why:
+            bad(field, f"{why} (the pool has {limits.num_kv_blocks} blocks)")
+        elif _is_int(start) and isinstance(tokens, list):
+            need = -(-(start + len(tokens)) // limits.block_size)
+            if len(t) < need:
+                bad(field, f"{len(t)} blocks cover {len(t) * limits.block_size} positions; "
+                           f"start_pos + len(token_ids) = {start + len(tokens)} needs {need}")
     if s.sample is not True and s.sample is not False:
         bad("sample", f"must be a bool, got {_short(s.sample)}")
     _check_drafts(s, limits, bad)
@@ -225,16 +232,22 @@ def _check_drafts(s, limits: StepLimits, bad) -> None:
 
 def _written_slot_faults(seqs, limits: StepLimits) -> list[StepFault]:
     """Two sequences writing one KV slot in one step: a copy-on-write the scheduler forgot."""
-    owner: dict[int, str] = {}
+    owner: dict[int, tuple[str, int]] = {}
     out = []
     bs = limits.block_size
     for s in seqs:
-        for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
-            slot = s.block_table[p // bs] * bs + p % bs
-            other = owner.setdefault(slot, s.seq_id)
-            if other != s.seq_id:
-                out.append(StepFault(_seq_id(s), "block_table", f"position {p} writes KV slot {slot} (block "
-                                                              f"{slot // bs}), also written by {other!r}"))
+        for g, table in enumerate([s.block_table, *s.group_block_tables]):
+            field = "block_table" if g == 0 else f"group_block_tables[{g - 1}]"
+            clash = None
+            for p in range(s.start_pos, s.start_pos + len(s.token_ids)):
+                slot = table[p // bs] * bs + p % bs
+                other = owner.setdefault(slot, (s.seq_id, g))
+                if other != (s.seq_id, g):
+                    clash = (f"position {p} writes KV slot {slot} (block {slot // bs}), also written by "
+                             f"{other[0]!r} (KV group {other[1]})")
+                    break
+            if clash:
+                out.append(StepFault(_seq_id(s), field, clash))
                 break
     return out
 

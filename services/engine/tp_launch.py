@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.llama import LlamaConfig
-from services.engine.model_loader import read_config
+from services.engine.model_loader import model_spec, read_config
 from services.engine.model_runner import ModelRunner, pick_device
 from services.engine.parallel_state import RankGroup, RankPlace
 from services.engine.rank_processes import LocalRanks, OwnShare, cpu_shares
@@ -52,7 +51,7 @@ def rank_device(device: str, local_rank: int, local_size: int) -> torch.device:
 
 def check_split(model_dir: Path, size: int) -> None:
     """Raise TensorParallelConfigError unless the model splits into `size` ranks."""
-    TensorParallelShard.for_config(LlamaConfig.from_hf(read_config(model_dir)), size, 0)
+    TensorParallelShard.for_config(model_spec(read_config(model_dir)), size, 0)
 
 
 def exit_process(reason: str) -> None:

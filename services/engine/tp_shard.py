@@ -84,7 +84,7 @@ class TensorParallelShard:
 
     @classmethod
     def for_config(cls, config, size: int, rank: int) -> TensorParallelShard:
-        """From a LlamaConfig (or anything with its fields)."""
+        """From a DecoderSpec (or anything with its fields)."""
         return cls.plan(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                         intermediate=config.intermediate_size, vocab_size=config.vocab_size, size=size, rank=rank)
 

@@ -10,6 +10,11 @@ Rendered chats are encoded piecewise: the tokenizer splits its input at special 
 else, so the text between two special tokens encodes the same alone, and those pieces (system prompts
 above all) repeat from request to request. A bounded cache of piece encodings takes the tokenizer off
 the router's hot path. The equivalence is checked at start-up and the cache disabled if it fails.
+
+A model may ship no chat template (a GGUF file without `tokenizer.chat_template`, a base model): it is
+served for completions, and a chat request is refused with a message saying so (`NoChatTemplateError`).
+Extra template variables (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) are passed to the
+template as transformers passes them, never overriding the messages, tools or special tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ from tokenizers import Tokenizer
 
 def _raise(message: str):
     raise ValueError(message)
+
+
+class NoChatTemplateError(ValueError):
+    """The model ships no chat template: chat requests cannot be rendered (completions can)."""
+
+
+# Template variables the renderer sets itself: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                         "unk_token", "pad_token", "raise_exception", "strftime_now"})
 
 
 def _token_text(value) -> str | None:
@@ -72,24 +86,26 @@ class ModelTokenizer:
         template = files.get("chat_template.jinja") or config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if not template:
-            raise ValueError(f"{model_dir or 'the tokenizer bundle'} has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
-        self._template = env.from_string(template)
-        # A template that reads `tools` renders function definitions itself (as transformers passes them);
-        # one that does not gets them through services.openai_api.tool_prompt's fallback block.
-        self.template_reads_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
-        self.template_source = template
+        self._template = None
+        self.template_reads_tools = False
+        self.template_source = template or ""
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+            self._template = env.from_string(template)
+            # A template that reads `tools` renders function definitions itself (as transformers passes them);
+            # one that does not gets them through services.openai_api.tool_prompt's fallback block.
+            self.template_reads_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
+        self._where = str(model_dir or "the tokenizer bundle")
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token",
                                                                   "pad_token")}
         self.vocab_size = self.fast.get_vocab_size()
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._lock = threading.Lock()  # long prompts are tokenized in worker threads
         self._splitter = self._special_splitter()
-        if self._splitter is not None and not self._piecewise_matches():
+        if self._splitter is not None and (self._template is None or not self._piecewise_matches()):
             self._splitter = None
 
     _CACHE_PIECES = 4096
@@ -136,15 +152,30 @@ class ModelTokenizer:
         """Each token as the vocabulary spells it (byte-level pieces such as 'Ġthe'), as vLLM's /tokenize."""
         return [self.fast.id_to_token(t) or "" for t in token_ids]
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
-        extra = {"tools": tools} if tools else {}
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._special, **extra)
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The template's text. `template_kwargs`: extra variables (chat_template_kwargs); a ValueError
+        names one that would replace a variable the renderer sets."""
+        if self._template is None:
+            raise NoChatTemplateError(f"{self._where} has no chat template (the model ships none): send the "
+                                      "prompt as text to /v1/completions, or serve a copy of the model with a "
+                                      "chat_template.jinja")
+        extra = dict(template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_VARIABLES & set(extra))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {clash[0]!r}")
+        if tools:
+            extra["tools"] = tools
+        return self._template.render(**{**extra, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                                        **self._special})
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         if self._splitter is not None:
             return self._encode_pieces(text)
         return self.fast.encode(text, add_special_tokens=False).ids

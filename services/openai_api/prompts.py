@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.model_files.tokenizer import NoChatTemplateError
 from services.openai_api.errors import APIError
 from services.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from services.openai_api.structured import structured_outputs_of
@@ -51,12 +52,13 @@ def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
         prompts = [list(req.prompt_token_ids)]
     elif isinstance(req, ChatCompletionRequest):
         messages, tools = template_messages(req, tokenizer)
+        kw = {"tools": tools} if tools else {}
+        if req.chat_template_kwargs:
+            kw["template_kwargs"] = req.chat_template_kwargs
         try:
-            kw = {"tools": tools} if tools else {}
             prompts = [tokenizer.apply_chat_template(messages, **kw)]
         except Exception as exc:  # the template's own raise_exception(), e.g. roles out of order
-            raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
-                           "messages") from None
+            raise _template_error(exc) from None
     elif isinstance(req.prompt, str):
         prompts = [tokenizer.encode(req.prompt)]
     elif req.prompt and isinstance(req.prompt[0], str):
@@ -75,13 +77,21 @@ def prompt_token_lists(req: CompletionRequest | ChatCompletionRequest,
     return prompts
 
 
+def _template_error(exc: Exception) -> APIError:
+    """A 400 naming what the template refused: the messages, chat_template_kwargs, or chat as a whole."""
+    if isinstance(exc, NoChatTemplateError):
+        return APIError(400, str(exc), "messages", "chat_template_missing")
+    if str(exc).startswith("chat_template_kwargs"):
+        return APIError(400, str(exc), "chat_template_kwargs")
+    return APIError(400, f"messages cannot be rendered with the model's chat template: {exc}", "messages")
+
+
 def chat_prompt_ids(messages, tokenizer: TokenizerLike, add_generation_prompt: bool = True) -> list[int]:
     """Chat messages through the model's template, or a 400 naming `messages` when it refuses them."""
     try:
         return tokenizer.apply_chat_template([m.as_template_dict() for m in messages], add_generation_prompt)
     except Exception as exc:  # the template's own raise_exception(), e.g. roles out of order
-        raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
-                       "messages") from None
+        raise _template_error(exc) from None
 
 
 def logit_bias_ids(req) -> dict[int, float] | None:

@@ -210,4 +210,6 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     reasoning_effort: Name | None = None
+    # Extra chat-template variables (vLLM's field), e.g. {"enable_thinking": false} for Qwen3's template.
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None
     web_search_options: dict[str, Any] | None = None

@@ -13,11 +13,12 @@ from services.openai_api.responses_protocol import ResponsesRequest
 
 
 def models_body(models: list[tuple], created: int = 0) -> dict:
-    """`/v1/models` for (served name, max model length[, parent]) tuples: a LoRA adapter names the base
-    model it runs on as its `parent` (vLLM's convention); a base model's parent is null."""
+    """`/v1/models` for (served name, max model length[, parent[, model path]]) tuples: a LoRA adapter names
+    the base model it runs on as its `parent` (vLLM's convention); a base model's parent is null. The model
+    path says how the engine runs it: "pagedserve" (its own module) or "transformers" (transformers' class)."""
     return {"object": "list", "data": [{"id": m[0], "object": "model", "created": created,
                                         "owned_by": "pagedserve", "root": m[0], "parent": m[2] if len(m) > 2 else None,
-                                        "max_model_len": m[1]}
+                                        "max_model_len": m[1], **({"model_path": m[3]} if len(m) > 3 else {})}
                                        for m in models]}
 
 

@@ -41,6 +41,8 @@ class ReplicaInfo:
     # Seconds this replica took to make an adapter resident (its last load; 0: none measured yet): what
     # routing an adapter's request to a replica where it is not resident costs.
     adapter_load_seconds: float = 0.0
+    # How its engine runs the model: "pagedserve" (a family module) or "transformers" (transformers' own class).
+    model_path: str = "pagedserve"
 
     @property
     def identity(self) -> ModelIdentity:

@@ -25,7 +25,7 @@ def create_replica_app(serving: OpenAIServing, metrics: SchedulerMetrics,
 
     async def models(request: Request) -> dict:
         serving.check_caller(request)
-        body = models_body([(cfg.model_name, cfg.max_model_len)])
+        body = models_body([(cfg.model_name, cfg.max_model_len, None, cfg.model_path)])
         # vLLM's form: each adapter is a model whose parent is the base model.
         body["data"] += [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve",
                           "max_model_len": cfg.max_model_len, "parent": cfg.model_name, "root": ref.path}

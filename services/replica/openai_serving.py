@@ -62,6 +62,7 @@ class ServingConfig:
     max_model_len: int
     max_body_bytes: int = 4 * 1024 * 1024
     internal_token: InternalToken | None = None  # when set, only callers presenting it are served
+    model_path: str = "pagedserve"  # how the engine runs the model (EngineInfo.model_path), shown by /v1/models
 
 
 def sse(obj: dict) -> str:

@@ -69,7 +69,8 @@ class ReplicaService:
         core = self.replica.core
         info = ReplicaInfo(replica_id=replica_id, url=url, model=self.model_name, block_size=core.info.block_size,
                            max_model_len=self.max_model_len, capacity=capacity, hash_seed=core.hash_seed,
-                           tokenizer_digest=self.tokenizer.digest, adapters=self.adapters())
+                           tokenizer_digest=self.tokenizer.digest, adapters=self.adapters(),
+                           model_path=core.info.model_path)
         pub = ReplicaPublisher(sink, info, self.replica, heartbeat_interval, tokenizer_bundle=self.tokenizer.bundle)
         self.publishers.append(pub)
         self.replica.on_engine_reset.append(pub.reset_blocks)
@@ -93,7 +94,8 @@ def build_replica(executor, tokenizer: ModelTokenizer, settings: ReplicaSettings
     model_name = settings.served_model_name or core.info.model_id
     metrics = SchedulerMetrics(replica.stats)
     serving = OpenAIServing(replica, tokenizer, ServingConfig(model_name, core.max_model_len, settings.max_body_bytes,
-                                                              settings.internal_token), metrics, core.grammars)
+                                                              settings.internal_token, core.info.model_path),
+                            metrics, core.grammars)
     serving.adapters = core.loras.by_name
 
     def health() -> dict:

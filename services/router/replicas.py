@@ -42,6 +42,7 @@ class ServedModel:
     tokenizer_digest: str
     adapter: str | None = None
     adapter_digest: str = ""
+    model_path: str = "pagedserve"  # how its replicas' engines run it (ReplicaInfo.model_path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ class ReplicaView:
         for model, group in serving.items():
             identity = group[0].identity
             same = [i for i in group if i.identity == identity]
-            served[model] = ServedModel(identity, min(i.max_model_len for i in same), same[0].tokenizer_digest)
+            served[model] = ServedModel(identity, min(i.max_model_len for i in same), same[0].tokenizer_digest,
+                                        model_path=same[0].model_path)
         # An adapter is served by the replicas of its parent, resident or loading it on demand.
         for name, known in self._adapters.items():
             if name not in served and known.parent in served:
@@ -147,8 +149,8 @@ class ReplicaView:
                                        adapter_digest=known.digest)
         self._served = served
 
-    async def models(self) -> list[tuple[str, int, str | None]]:
-        """(name, max model length, parent) of every model and adapter the registry knows, for /v1/models:
+    async def models(self) -> list[tuple[str, int, str | None, str]]:
+        """(name, max model length, parent, model path) of every model and adapter the registry knows, for /v1/models:
         base models have no parent, adapters name the base model they run on. Read afresh (at most every
         IDENTITY_REFRESH): an adapter loaded at run time is listed before any request names it."""
         if not self._last or time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH:
@@ -156,8 +158,8 @@ class ReplicaView:
             await self._read([])
         # The catalog the routing decisions use, so /v1/models lists exactly what a request can name.
         served = sorted(self._served.items())
-        return ([(name, m.max_model_len, None) for name, m in served if m.adapter is None]
-                + [(name, m.max_model_len, self._adapters[name].parent) for name, m in served
+        return ([(name, m.max_model_len, None, m.model_path) for name, m in served if m.adapter is None]
+                + [(name, m.max_model_len, self._adapters[name].parent, m.model_path) for name, m in served
                    if m.adapter is not None])
 
     async def snapshot(self, block_hashes: list[int], min_blocks: int = 1) -> list[ReplicaState]:

@@ -109,7 +109,7 @@ class RouterService:
         req = parse_tokenize(body) if tokenize else parse_detokenize(body)
         model = req.model
         if model is None:  # optional, as in vLLM: fine while one model is served
-            served = [name for name, _, _ in await self.view.models()]
+            served = [m[0] for m in await self.view.models()]
             if len(served) > 1:
                 raise APIError(400, f"model: required when several models are served ({', '.join(served)})",
                                "model")

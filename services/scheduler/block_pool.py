@@ -4,8 +4,15 @@ All blocks are created once. Free blocks sit in a doubly linked queue (O(1) pop,
 from the middle); a freed block that holds a full, hashed block keeps its hash and stays findable by
 prefix lookups until a new allocation pops it (least recently freed first). Plain Python, no torch.
 
+KV groups (services/engine/kv_groups.py): a model with sliding-window layers gives each group of layers
+its own block tables, all drawn from this one pool. A block in use or cached belongs to one group (its
+`group`), and the prefix cache is keyed by (group, hash): the same content computed for two groups lives
+in two blocks. Only group 0's blocks are published as KV events (the routers' prefix index follows one
+group; a prefix is reused here only where every group still holds what the continuation needs).
+
 Accounting: every block is exactly one of *in use* (ref_cnt > 0), *cached* (free, still hashed) or
-*free* (free, empty), and in_use + cached + free == total at all times.
+*free* (free, empty), and per group: sum over groups of (in use + cached) + free == total at all times
+(`counts`, `check_invariants`).
 """
 
 from __future__ import annotations
@@ -15,18 +22,19 @@ from dataclasses import dataclass
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "position", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "position", "group", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.group = 0  # the KV group whose tables hold it (meaningful while in use or cached)
         self.block_hash: int | None = None
         self.position = 0  # the block's index in its hash chain (meaningful while block_hash is set)
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash}, group={self.group})"
 
 
 class FreeBlockQueue:
@@ -86,7 +94,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}  # block hash -> block holding that content
+        # block hash (group 0) or (group, hash) -> the block holding that content
+        self.cached: dict[int | tuple[int, int], KVBlock] = {}
         self.num_cached_free = 0  # blocks in the free queue that still carry a hash
         self._on_event = on_event
 
@@ -96,11 +105,12 @@ class BlockPool:
         """Blocks that an allocation can take now (free + cached)."""
         return self.free_queue.size
 
-    def allocate(self) -> KVBlock:
+    def allocate(self, group: int = 0) -> KVBlock:
         block = self.free_queue.popleft()
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
+        block.group = group
         return block
 
     def take(self, block: KVBlock) -> None:
@@ -110,12 +120,18 @@ class BlockPool:
         if block.block_hash is not None:
             self._evict(block)
         block.ref_cnt = 1
+        block.group = 0
+
+    @staticmethod
+    def _key(block_hash: int, group: int) -> int | tuple[int, int]:
+        return block_hash if group == 0 else (group, block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         h = block.block_hash
-        if self.cached.get(h) is block:
-            del self.cached[h]
-            if self._on_event:
+        key = self._key(h, block.group)
+        if self.cached.get(key) is block:
+            del self.cached[key]
+            if self._on_event and block.group == 0:
                 self._on_event(KVEvent("removed", [h], [block.position]))
         block.block_hash = None
         self.num_cached_free -= 1
@@ -132,7 +148,7 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt:
             return
-        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+        if block.block_hash is not None and self.cached.get(self._key(block.block_hash, block.group)) is block:
             self.free_queue.append(block)  # most recently used: evicted last
             self.num_cached_free += 1
         else:
@@ -140,31 +156,32 @@ class BlockPool:
             self.free_queue.appendleft(block)  # holds nothing reusable: hand it out first
 
     # -- prefix cache -----------------------------------------------------------------------
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return self.cached.get(block_hash) if self.enable_caching else None
+    def lookup(self, block_hash: int, group: int = 0) -> KVBlock | None:
+        return self.cached.get(self._key(block_hash, group)) if self.enable_caching else None
 
     def register(self, block: KVBlock, block_hash: int, position: int) -> None:
         """Record that `block` (in use, just filled) holds the content with this hash, at this index of
-        its chain."""
+        its chain, for its group's layers."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash in self.cached:
+        key = self._key(block_hash, block.group)
+        if key in self.cached:
             return  # another request computed the same block first; this copy stays private
         block.block_hash, block.position = block_hash, position
-        self.cached[block_hash] = block
-        if self._on_event:
+        self.cached[key] = block
+        if self._on_event and block.group == 0:
             self._on_event(KVEvent("stored", [block_hash], [position]))
 
     def reset_cache(self) -> None:
         """Forget every cached-but-free block (e.g. after an engine restart lost the KV tensors)."""
-        for h, block in list(self.cached.items()):
+        for key, block in list(self.cached.items()):
             if block.ref_cnt == 0:
                 self._evict(block)
             else:
-                del self.cached[h]
+                del self.cached[key]
+                if self._on_event and block.group == 0:
+                    self._on_event(KVEvent("removed", [block.block_hash], [block.position]))
                 block.block_hash = None
-                if self._on_event:
-                    self._on_event(KVEvent("removed", [h], [block.position]))
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -174,13 +191,26 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_in_use / self.num_blocks
 
+    def counts(self) -> dict:
+        """Recounted from every block: {"free": n, "groups": {group: {"in_use": n, "cached": n}}}."""
+        groups: dict[int, dict[str, int]] = {}
+        free = 0
+        for b in self.blocks:
+            if b.ref_cnt == 0 and b.block_hash is None:
+                free += 1
+                continue
+            g = groups.setdefault(b.group, {"in_use": 0, "cached": 0})
+            g["in_use" if b.ref_cnt > 0 else "cached"] += 1
+        return {"free": free, "groups": groups}
+
     def check_invariants(self) -> None:
-        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        cached = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
-        free = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is None)
-        assert in_use + cached + free == self.num_blocks
+        c = self.counts()
+        in_use = sum(g["in_use"] for g in c["groups"].values())
+        cached = sum(g["cached"] for g in c["groups"].values())
+        free = c["free"]
+        assert in_use + cached + free == self.num_blocks, (in_use, cached, free, self.num_blocks)
         assert self.free_queue.size == cached + free, (self.free_queue.size, cached, free)
         assert self.num_cached_free == cached, (self.num_cached_free, cached)
-        for h, b in self.cached.items():
-            assert b.block_hash == h
+        for key, b in self.cached.items():
+            assert key == self._key(b.block_hash, b.group), (key, b)
         assert all(b.ref_cnt >= 0 for b in self.blocks)

@@ -54,6 +54,7 @@ class ContiguousKVManager:
         self.runs: dict[str, list[KVBlock]] = {}  # seq_id -> its whole reservation
         self.tables: dict[str, list[KVBlock]] = {}  # seq_id -> the blocks written so far (a prefix of its run)
         self.block_ids: dict[str, list[int]] = {}
+        self.group_block_ids: dict[str, list[list[int]]] = {}  # one KV group only (serving_system refuses more)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -83,6 +84,9 @@ class ContiguousKVManager:
         if start is not None:
             runs.append((start, self.pool.num_blocks - start))
         return runs
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        return -(-num_tokens // self.block_size)
 
     # -- admission and growth ---------------------------------------------------------------
     def find_cached_prefix(self, req: Sequence) -> list[KVBlock]:

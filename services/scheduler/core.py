@@ -64,7 +64,8 @@ class SchedulerCore:
         self.system = system = get_serving_system(serving_system)
         self.pool, self.kv = system.build_kv(
             self.info.num_kv_blocks, self.info.block_size, self.hash_seed, self.max_model_len,
-            enable_prefix_caching, self._record_event if self._events is not None else None)
+            enable_prefix_caching, self._record_event if self._events is not None else None,
+            [w or None for w in self.info.kv_group_windows])
         self.speculator = self._speculator(SpeculativeConfig.parse(speculative_config))
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                                    system.batching, self.info.max_loras), self.kv, self.speculator)
@@ -94,6 +95,11 @@ class SchedulerCore:
             return None
         if not getattr(self.kv, "supports_sharing", False) or not hasattr(self.kv, "trim"):
             raise ValueError("speculative decoding needs the paged KV cache (serving system pagedserve)")
+        if len(self.info.kv_group_windows) > 1:
+            # Rejected drafts are trimmed from one block table; sliding-window groups' tables are not.
+            raise ValueError(f"speculative decoding is not implemented for models with sliding-window layers (this "
+                             f"model's KV groups have windows {self.info.kv_group_windows}): start without "
+                             "--speculative-config")
         if config.proposer_in_engine and (self.info.draft_method != config.method
                                           or self.info.max_draft_tokens < config.num_speculative_tokens):
             raise ValueError(f"speculative_config.method {config.method!r} with {config.num_speculative_tokens} "
@@ -117,9 +123,14 @@ class SchedulerCore:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"{n} tokens leave no room to generate within the context length {self.max_model_len}")
-        usable = (self.info.num_kv_blocks - self.kv.watermark_blocks) * self.info.block_size
-        if n + 1 > usable:
-            raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of {usable} tokens")
+        usable = self.info.num_kv_blocks - self.kv.watermark_blocks
+        need = self.kv.peak_blocks(n + 1, self.scheduler.config.max_num_batched_tokens)
+        if need > usable:
+            if len(self.info.kv_group_windows) == 1 and not self.info.kv_group_windows[0]:
+                raise InvalidRequestError("prompt", f"{n} tokens exceed the KV cache capacity of "
+                                                    f"{usable * self.info.block_size} tokens")
+            raise InvalidRequestError("prompt", f"{n} tokens need {need} KV blocks at once (every KV group "
+                                                f"counted); the cache has {usable}")
         self.kv.check_request(n, params)
         check_vocabulary(vocab, params.top_k, params.stop_token_ids, params.logit_bias)
         if params.use_beam_search:
@@ -281,11 +292,13 @@ class SchedulerCore:
 
     def _canary_ok(self) -> bool:
         """Does the engine still compute? One token in a spare block, greedy: a step nothing can be wrong with."""
-        if self.pool.num_free == 0:
+        groups = len(self.info.kv_group_windows)
+        if self.pool.num_free < groups:
             return True  # no spare block to try with: blame the requests, which fail either way
-        block = self.pool.allocate()
+        blocks = [self.pool.allocate(g) for g in range(groups)]  # one per KV group
         canary = ScheduledSequence(seq_id="pagedserve-canary", token_ids=[0], start_pos=0,
-                                   block_table=[block.block_id], sample=True, sampling=SamplingSpec())
+                                   block_table=[blocks[0].block_id], sample=True, sampling=SamplingSpec(),
+                                   group_block_tables=[[b.block_id] for b in blocks[1:]])
         try:
             self.executor.execute(SchedulerOutput(step_id=-1, sequences=[canary]))
             return True
@@ -295,7 +308,8 @@ class SchedulerCore:
             log.error("the engine fails a canary step too (%s: %s): the engine is broken", type(exc).__name__, exc)
             return False
         finally:
-            self.pool.free(block)  # never hashed: back to the free end of the queue
+            for block in blocks:
+                self.pool.free(block)  # never hashed: back to the free end of the queue
 
     def _fail_request_of(self, seq_id: str, why: str, changed: dict[str, RequestGroup]) -> None:
         seq = next(s for s, _ in self.scheduler.last_scheduled if s.seq_id == seq_id)

@@ -26,6 +26,8 @@ MAX_PREFIX_DEFERRALS = 8
 # Steps a request may wait at the head for a LoRA slot while requests of resident adapters pass it; then
 # nothing passes it, the running adapters drain, and it gets a slot.
 MAX_LORA_WAITS = 32
+# The group tables of a model with one KV group: shared and never written (its steps send none).
+_NO_GROUP_TABLES: list[list[int]] = []
 
 
 @dataclass
@@ -210,6 +212,7 @@ class Scheduler:
             token_ids=tokens if drafts is None else tokens + drafts,
             start_pos=start,
             block_table=self.kv.block_ids[req.seq_id],
+            group_block_tables=self.kv.group_block_ids.get(req.seq_id) or _NO_GROUP_TABLES,
             sample=sample,
             sampling=req.spec,
             num_samples=req.params.num_sequences if (sample and not req.forked) else 1,

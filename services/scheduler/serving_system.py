@@ -30,11 +30,18 @@ class ServingSystem:
     batching: Batching
 
     def build_kv(self, num_blocks: int, block_size: int, hash_seed: int, max_model_len: int,
-                 enable_prefix_caching: bool, on_event: Callable[[KVEvent], None] | None):
-        """The block pool and the KV manager over it."""
+                 enable_prefix_caching: bool, on_event: Callable[[KVEvent], None] | None,
+                 group_windows: list[int | None] | None = None):
+        """The block pool and the KV manager over it. `group_windows`: the engine's KV groups (None: full
+        attention), one table per group per sequence."""
+        groups = group_windows or [None]
         if self.reservation is None:
             pool = BlockPool(num_blocks, enable_prefix_caching, on_event=on_event)
-            return pool, KVCacheManager(pool, block_size, hash_seed, watermark_blocks=max(1, num_blocks // 100))
+            return pool, KVCacheManager(pool, block_size, hash_seed, watermark_blocks=max(1, num_blocks // 100),
+                                        group_windows=groups)
+        if groups != [None]:
+            raise ValueError(f"the {self.name} baseline reserves one contiguous run per request for one KV group; "
+                             f"this model has {len(groups)} (sliding-window layers): serve it as pagedserve")
         pool = BlockPool(num_blocks, enable_caching=False)
         return pool, ContiguousKVManager(pool, block_size, self.reservation, max_model_len)
 

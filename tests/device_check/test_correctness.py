@@ -39,10 +39,10 @@ def test_logits_beyond_the_bound_or_missing_rows_fail_even_with_the_same_argmax(
 
 def test_the_reference_holds_exactly_the_tested_engines_weights():
     from services.device_check.workload import TINY_LLAMA
-    from services.engine.model_loader import RANDOM_DRAW_DTYPE, random_llama
+    from services.engine.model_loader import RANDOM_DRAW_DTYPE, random_model
 
     cpu = torch.device("cpu")
-    tested = random_llama(TINY_LLAMA, torch.bfloat16, cpu, "reference")
-    reference = random_llama({**TINY_LLAMA, RANDOM_DRAW_DTYPE: "bfloat16"}, torch.float32, cpu, "reference")
+    tested = random_model(TINY_LLAMA, torch.bfloat16, cpu, "reference")
+    reference = random_model({**TINY_LLAMA, RANDOM_DRAW_DTYPE: "bfloat16"}, torch.float32, cpu, "reference")
     assert reference.embed.dtype == torch.float32 and torch.equal(tested.embed.float(), reference.embed)
     assert set(LOGIT_BOUND) == {"float32", "float16", "bfloat16"}

@@ -85,11 +85,11 @@ def test_padding_rows_write_nowhere_and_are_never_sampled(tiny_model_dir):
     step = steps[-1]
     assert step.graph_batch == 4 and step.num_real_decodes == 3
     t = step.layout.tensors(step.host)
-    assert t.slot_mapping[3:].tolist() == [-1]
+    assert t.slot_mapping[0, 3:].tolist() == [-1]
     assert t.decode_context_lens[3:].tolist() == [1]
-    assert not t.decode_block_tables[3:].any() and t.input_ids[3:].tolist() == [0]
+    assert not t.decode_block_tables[0, 3:].any() and t.input_ids[3:].tolist() == [0]
     width = -(-min(cuda_graphs.GRAPH_MAX_CONTEXT, runner.max_model_len) // 16)
-    assert t.decode_block_tables.shape[1] == runner.graphs.width == width
+    assert t.decode_block_tables.shape[2] == runner.graphs.width == width
     assert sorted(step.owners) == ["a", "b", "c"] and len(step.rows) == 3
 
 

@@ -49,16 +49,16 @@ def test_layout_is_what_the_kernels_read():
     assert step.num_decode == 2 and step.num_tokens == 2 + 3 + 20 + 5
     assert t.input_ids.tolist() == [6, 5, 11, 12, 13, *range(100, 120), 7, 8, 9, 10, 11]
     assert t.positions.tolist() == [16, 20, 0, 1, 2, *range(30, 50), 0, 1, 2, 3, 4]
-    assert t.decode_block_tables.tolist() == [[3, 4], [9, 10]]  # sorted by first block
+    assert t.decode_block_tables[0].tolist() == [[3, 4], [9, 10]]  # sorted by first block
     assert t.decode_context_lens.tolist() == [17, 21]
     assert t.decode_block_tables.dtype == t.decode_context_lens.dtype == torch.int32
     assert t.prefill_query_start_loc.tolist() == [0, 3, 23, 28]
     assert t.prefill_context_lens.tolist() == [3, 50, 5]
-    assert t.prefill_block_tables.tolist() == [[20, 0, 0, 0], [30, 31, 32, 33], [40, 0, 0, 0]]
+    assert t.prefill_block_tables[0].tolist() == [[20, 0, 0, 0], [30, 31, 32, 33], [40, 0, 0, 0]]
     want_slots = [4 * 16 + 0, 10 * 16 + 4, 320, 321, 322]
     want_slots += [[30, 31, 32, 33][p // 16] * 16 + p % 16 for p in range(30, 50)]
     want_slots += [640 + i for i in range(5)]
-    assert t.slot_mapping.tolist() == want_slots
+    assert t.slot_mapping.tolist() == [want_slots]  # one KV group
     # Rows to sample: each sampling sequence's last token, the fork twice; "chunk" does not sample.
     assert t.sample_idx.tolist() == [0, 1, 4, 29, 29]
     assert step.owners == ["d2", "d1", "fresh", "fork", "fork"]

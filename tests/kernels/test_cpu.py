@@ -77,7 +77,7 @@ def test_amx_decode_matches_dense_and_the_avx_kernel(amx, gen, head_dim, group, 
 
 
 def test_fused_add_rms_norm(ext, gen):
-    from services.engine.llama import rms_norm
+    from services.engine.layers.norms import rms_norm
 
     h = torch.randn(37, 576, generator=gen).bfloat16()
     d = torch.randn(37, 576, generator=gen).bfloat16()
@@ -91,10 +91,10 @@ def test_fused_add_rms_norm(ext, gen):
 
 
 def test_fused_rope_and_silu_mul(ext, gen):
-    from services.engine.rope import RotaryEmbedding
+    from services.engine.layers.rotary import RopeSpec, RotaryEmbedding
 
     heads, kv, d, T = 4, 2, 64, 11
-    rope = RotaryEmbedding(d, 256, 10000.0, None, torch.float32, torch.device("cpu"))
+    rope = RotaryEmbedding(RopeSpec(10000.0, d, max_position_embeddings=256), 256, torch.device("cpu"))
     qkv = torch.randn(T, (heads + 2 * kv) * d, generator=gen)
     pos = torch.randint(0, 256, (T,), generator=gen)
     q_ref, k_ref = rope(pos, qkv[:, :heads * d].view(T, heads, d), qkv[:, heads * d:(heads + kv) * d].view(T, kv, d))
@@ -109,10 +109,10 @@ def test_fused_rope_and_silu_mul(ext, gen):
 
 
 def test_fused_ops_bfloat16_vector_paths(ext, gen):
-    from services.engine.rope import RotaryEmbedding
+    from services.engine.layers.rotary import RopeSpec, RotaryEmbedding
 
     heads, kv, d, T = 9, 3, 64, 37
-    rope = RotaryEmbedding(d, 2048, 10000.0, None, torch.float32, torch.device("cpu"))
+    rope = RotaryEmbedding(RopeSpec(10000.0, d, max_position_embeddings=2048), 2048, torch.device("cpu"))
     qkv = torch.randn(T, (heads + 2 * kv) * d, generator=gen).bfloat16()
     pos = torch.randint(0, 2048, (T,), generator=gen)
     q_ref, k_ref = rope(pos, qkv[:, :heads * d].float().view(T, heads, d),

@@ -3,6 +3,10 @@
 Each step it verifies that every position a sequence attends to holds that sequence's own token (so
 block tables, prefix sharing and copy-on-write are right), applies block copies, and returns a token
 that depends on the whole context: recomputation after preemption must reproduce it exactly.
+
+With `kv_group_windows` it is a model with KV groups (sliding-window layers): each group's table is
+checked and written on its own, a sliding group only over the positions its window sees, so a block
+the scheduler released too early, or a prefix hit missing part of a window, fails the step.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ class ShadowExecutor:
     the token after each position is computed, and drafts are kept while they agree."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, vocab_size: int = 1000, max_model_len: int = 4096,
-                 copying: bool = False):
-        self.info = EngineInfo("shadow", block_size, num_blocks, max_model_len, vocab_size, "float32", "cpu", [EOS])
+                 copying: bool = False, kv_group_windows: list[int] | None = None):
+        self.info = EngineInfo("shadow", block_size, num_blocks, max_model_len, vocab_size, "float32", "cpu", [EOS],
+                               kv_group_windows=list(kv_group_windows or [0]))
         self.slots: dict[int, int] = {}
         self.history: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
@@ -95,12 +100,17 @@ class ShadowExecutor:
                 else:
                     assert p == len(hist), f"{s.seq_id}: gap before position {p}"
                     hist.append(tok)
-            for p in range(s.start_pos):
-                slot = s.block_table[p // bs] * bs + p % bs
-                assert self.slots.get(slot) == hist[p], f"{s.seq_id}: KV at position {p} is not its own token"
-            for i, tok in enumerate(s.token_ids):
-                p = s.start_pos + i
-                self.slots[s.block_table[p // bs] * bs + p % bs] = tok
+            tables = [s.block_table, *s.group_block_tables]
+            assert len(tables) == len(self.info.kv_group_windows), f"{s.seq_id}: one table per KV group"
+            for g, (window, table) in enumerate(zip(self.info.kv_group_windows, tables, strict=True)):
+                # The first new token sees start_pos - window + 1 onwards (everything without a window).
+                for p in range(max(0, s.start_pos - window + 1) if window else 0, s.start_pos):
+                    slot = table[p // bs] * bs + p % bs
+                    assert self.slots.get(slot) == hist[p], (f"{s.seq_id}: KV group {g}'s KV at position {p} is "
+                                                             f"not its own token")
+                for i, tok in enumerate(s.token_ids):
+                    p = s.start_pos + i
+                    self.slots[table[p // bs] * bs + p % bs] = tok
             if s.sample and k:
                 assert s.num_samples == 1
                 ctx = hist[:s.start_pos + len(real)]

@@ -27,7 +27,7 @@ RANK = 8
 
 
 def write_random_adapter(out: Path, config, seed: int, rank: int = RANK) -> Path:
-    """A PEFT-format adapter of `rank` on every projection of a Llama `config` (services.engine.llama), seeded."""
+    """A PEFT-format adapter of `rank` on every projection of a model `config` (a DecoderSpec), seeded."""
     import torch
     from safetensors.torch import save_file
 
@@ -50,10 +50,10 @@ def write_random_adapter(out: Path, config, seed: int, rank: int = RANK) -> Path
 
 
 def model_config(model_dir: Path):
-    """The Llama config of a model directory, as the engine reads it."""
-    from services.engine.llama import LlamaConfig
+    """The model spec of a model directory, as the engine reads it."""
+    from services.engine.model_loader import model_spec
 
-    return LlamaConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    return model_spec(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 def _timed(llm, requests, names) -> dict:

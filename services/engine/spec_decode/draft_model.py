@@ -25,7 +25,8 @@ import logging
 import torch
 
 from services.contracts.step_protocol import ModelRunnerOutput, SamplingSpec, ScheduledSequence, SchedulerOutput
-from services.engine.model_loader import load_llama
+from services.engine.model_loader import load_model
+from services.engine.models.registry import MODULE_PATH
 from services.engine.step_inputs import StepInputBuilder
 from services.engine.step_validation import StepLimits
 from services.model_files.model_source import resolve_model
@@ -103,15 +104,20 @@ class PagedDraftCache:
 class DraftModel(PagedDraftCache):
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, backend: str, num_tokens: int):
         self.model_dir = resolve_model(path)
-        self.model, _ = load_llama(self.model_dir, dtype, device, backend)
+        self.model, _, path = load_model(self.model_dir, dtype, device, backend)
+        if path != MODULE_PATH or self.model.kv_plan.num_groups != 1:
+            # Its KV cache follows the target's one block table: one group of full-attention layers.
+            raise ValueError(f"speculative_config.model: {self.model_dir} needs "
+                             f"{'the transformers path' if path != MODULE_PATH else 'sliding-window KV groups'}; "
+                             "a draft model must be a family module's model with full attention on every layer")
         super().__init__(self.model.config, self.model.num_kv_heads, dtype, device, num_tokens)
 
     def _forward(self, seqs: list[ScheduledSequence]) -> dict[str, int]:
         """One forward of the draft over `seqs`; the argmax after each row that samples."""
         step = self.builder.build(SchedulerOutput(step_id=0, sequences=seqs))
         t = step.upload(self.device)
-        logits, _ = self.model.forward(t.input_ids, t.positions, step.attention_metadata(
-            t, self.model.attn, self.model.num_kv_heads), self.kv_caches, t.sample_idx)
+        logits, _ = self.model.forward(t.input_ids, t.positions, [step.attention_metadata(
+            t, self.model.attn, self.model.num_kv_heads)], self.kv_caches, t.sample_idx)
         if not step.rows:
             return {}
         return dict(zip(step.owners, logits[:len(step.rows)].float().max(dim=-1).indices.tolist(), strict=True))

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 
 from services.contracts.step_protocol import ModelRunnerOutput, SamplingSpec, ScheduledSequence, SchedulerOutput
 from services.engine.attention import PagedAttention
+from services.engine.layers.norms import rms_norm
+from services.engine.layers.rotary import RotaryEmbedding
 from services.engine.linear import make_linear_factory
-from services.engine.llama import LlamaConfig, LlamaModel, rms_norm
-from services.engine.model_loader import Checkpoint
-from services.engine.rope import RotaryEmbedding
+from services.engine.model_loader import Checkpoint, model_spec
+from services.engine.models.decoder import DecoderModel
 from services.engine.spec_decode.draft_model import PagedDraftCache
 from services.engine.step_inputs import StepInputs
 from services.model_files.model_source import resolve_model
@@ -53,7 +54,7 @@ def aux_layer_ids(cfg: dict, target_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3Head:
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, backend: str, target: LlamaModel):
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, backend: str, target: DecoderModel):
         self.model_dir = Path(resolve_model(path))
         cfg = json.loads((self.model_dir / "config.json").read_text())
         if not set(cfg.get("architectures") or []) & ARCHITECTURES:
@@ -70,8 +71,12 @@ class Eagle3Head:
                           f"target's {tc.hidden_size}")
         if cfg.get("vocab_size", tc.vocab_size) != tc.vocab_size:
             raise _refuse(f"vocabulary {cfg['vocab_size']} against the target's {tc.vocab_size}")
-        self.config = LlamaConfig.from_hf({**cfg, "num_hidden_layers": 1, "vocab_size": tc.vocab_size})
+        # The head's layer is a Llama layer: its config read (and audited) as one.
+        self.config = model_spec({**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                  "num_hidden_layers": 1, "vocab_size": tc.vocab_size})
         c = self.config
+        if c.layers[0].window is not None:
+            raise _refuse("a sliding window on the head's layer is not implemented")
         self.aux_layers = aux_layer_ids(cfg, tc.num_layers)
         self.norm_before_residual = bool(cfg.get("norm_before_residual", False))
         self.device, self.dtype = device, dtype
@@ -107,7 +112,7 @@ class Eagle3Head:
         if d2t.shape[0] != draft_vocab or int(self.draft_to_target.max()) >= tc.vocab_size:
             raise _refuse("d2t must map each of the draft vocabulary's ids into the target's vocabulary")
         self.embed = w("embed_tokens.weight", True) if "embed_tokens.weight" in ck else target.embed
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype, device)
+        self.rope = RotaryEmbedding(c.layers[0].rope, c.max_position_embeddings, device)
         self.attn = PagedAttention(backend, device)
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
@@ -141,7 +146,7 @@ class Eagle3Head:
 class Eagle3Drafter(PagedDraftCache):
     """An EAGLE-3 head with its own paged KV cache (one layer), following the target's committed tokens."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, backend: str, target: LlamaModel,
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, backend: str, target: DecoderModel,
                  num_tokens: int):
         self.head = Eagle3Head(path, dtype, device, backend, target)
         super().__init__(self.head.config, self.head.num_kv_heads, dtype, device, num_tokens)

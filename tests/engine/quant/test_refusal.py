@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from services.engine.model_loader import load_llama
+from services.engine.model_loader import load_model
 from services.engine.quant.scheme import QuantizationConfigError
 
 
@@ -25,5 +25,5 @@ def test_unserved_quantization_is_refused_at_load(tiny_model_dir, tmp_path, qcfg
     cfg["quantization_config"] = qcfg
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(QuantizationConfigError) as e:
-        load_llama(model_dir, torch.float32, torch.device("cpu"), "reference")
+        load_model(model_dir, torch.float32, torch.device("cpu"), "reference")
     assert e.value.field == field and repr(qcfg["quant_method"]) in str(e.value)
