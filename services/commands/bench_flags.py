@@ -19,7 +19,12 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_kind", required=True)
     t = bsub.add_parser("throughput", help="offline throughput against transformers and vLLM")
-    t.add_argument("--workload", default="w1", choices=("w1", "w2", "w3"))
+    t.add_argument("--workload", default="w1", choices=("w1", "w2", "w3", "all"),
+                   help="all: W1, W2 and W3 in one run (the command offline performance figures quote)")
+    t.add_argument("--repeats", type=V.integer(1), default=1,
+                   help="runs of each workload, alternating the systems run by run; medians and ranges reported")
+    t.add_argument("--profile", action="store_true",
+                   help="also a profiled run per workload: where each step's time goes (and vLLM's own metrics)")
     t.add_argument("--against", default="transformers,vllm",
                    help="comma-separated baselines: transformers, vllm (or 'none')")
     t.add_argument("--model", default=None)
@@ -46,6 +51,13 @@ def add_bench(sub) -> None:
     t.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     t.set_defaults(handler="services.bench.offline.throughput:run",
                    flag_check="services.bench.offline.throughput:check_flags")
+    gd = bsub.add_parser("guard", help="the default path's cost per step (scheduler with the null executor, engine "
+                         "on a tiny model, W1 and W3 shapes) against references in the same run; exits 1 past a budget")
+    gd.add_argument("--repeats", type=V.integer(1), default=5)
+    gd.add_argument("--inject", default="none", choices=("none", "scheduler", "engine"),
+                    help="add a per-step cost on purpose, to see the guard fail on it")
+    gd.add_argument("--json", dest="json_path", default=None)
+    gd.set_defaults(handler="services.bench.offline.default_path_guard:run")
     d = bsub.add_parser("spec-decode", help="speculative decoding against none on copy-heavy chats, side by side "
                         "in one run, at each batch size (tokens/s, acceptance rate, mean acceptance length)")
     d.add_argument("--speculative-config", default=None, type=S.speculative_json,
