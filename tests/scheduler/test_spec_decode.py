@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.contracts.speculative_config import SpeculativeConfig, SpeculativeConfigError
 from services.request.sampling_params import SamplingParams
@@ -157,7 +159,34 @@ def test_ngram_proposal_is_longest_then_earliest_match():
     buf = TokenBuffer()
     grown = list(range(300))
     buf.sync(grown[:10])
-    assert list(buf.sync(grown)) == grown  # appended, and the buffer grew past its first 256
+    assert list(buf.sync(grown)) == grown  # appended
+    assert list(buf.sync(grown[:5])) == grown[:5]  # a shorter list (a reset sequence) starts over
+
+
+def _ngram_by_definition(toks: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Every earlier end position, its match length with the context's end (capped at max_n), the longest
+    then earliest: the rule as written, slowly."""
+    total = len(toks)
+    if total <= min_n or k <= 0:
+        return []
+    best, best_end = 0, -1
+    for end in range(total - 1):
+        n = 0
+        while n < max_n and end - n >= 0 and toks[end - n] == toks[total - 1 - n]:
+            n += 1
+        if n > best:
+            best, best_end = n, end
+    return toks[best_end + 1:best_end + 1 + k] if best >= min_n else []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=60) | st.lists(st.integers(0, 70000), max_size=40),
+       st.integers(1, 4), st.integers(0, 4), st.integers(0, 6))
+def test_ngram_proposal_equals_its_definition(toks, min_n, extra, k):
+    """Small alphabets make long repeated matches; large ids have bytes that match across token boundaries
+    (the search must skip those)."""
+    max_n = min_n + extra
+    assert propose_ngram(TokenBuffer().sync(toks), min_n, max_n, k) == _ngram_by_definition(toks, min_n, max_n, k)
 
 
 def test_plan_follows_the_marginal_rule():

@@ -39,19 +39,23 @@ from services.bench.offline.workloads import BenchRequest, offline_workload
 # The tiny model of the engine part: SmolLM2's attention geometry (head_dim 64, 3 query heads per KV
 # head), few layers and a small vocabulary, so a step costs mostly what the engine does per step and per
 # layer around its kernels, which is what a change to the default path adds to.
-GUARD_MODEL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "head_dim": 64,
+GUARD_MODEL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 96, "intermediate_size": 192, "head_dim": 64,
                "num_hidden_layers": 4, "num_attention_heads": 3, "num_key_value_heads": 1,
                "vocab_size": 1024, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                "tie_word_embeddings": True, "_name_or_path": "guard-tiny-llama"}
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 2048
 
-# Budgets: CPU per step of the measured part over its reference's, at most. Measured on an AMD EPYC
-# (Zen 3, AVX2, no AVX-512, 2 cores shared with other jobs), minimum of 5 repeats, 2026-12-03; each budget
-# is that figure plus the stated tolerance, which covers the run-to-run spread seen there (see the test).
-SCHEDULER_TOLERANCE = 0.30
-ENGINE_TOLERANCE = 0.30
-SCHEDULER_MEASURED = {"w1": 0.0, "w3": 0.0}
-ENGINE_MEASURED = {"w1": 0.0, "w3": 0.0}
+# Budgets: CPU per step of the measured part over its reference's, at most. Measured on a 2-core AMD EPYC
+# (AVX2, no AVX-512, no AMX), medians of 5 lockstep repeats over 4 runs of `pagedserve bench guard`,
+# 2026-12-03: scheduler w1 15.8-16.6, w3 12.6-13.3; engine w1 0.66-0.69, w3 0.71-0.73 (the engine beats
+# its dense reference: paged kernels against per-sequence SDPA calls). The tolerances cover that spread
+# with room for another CPU: the scheduler's part is Python on both sides; the engine's depends on which
+# kernels a CPU gets (AVX-512, AMX), so its tolerance is wider. The deliberate costs of `--inject` add
+# 39-84% (scheduler) and 150-290% (engine) here.
+SCHEDULER_TOLERANCE = 0.25
+ENGINE_TOLERANCE = 0.40
+SCHEDULER_MEASURED = {"w1": 16.6, "w3": 13.3}
+ENGINE_MEASURED = {"w1": 0.69, "w3": 0.73}
 
 
 def scheduler_budget(trace: str) -> float:
@@ -255,11 +259,12 @@ def checks(result: PartResult) -> list[Check]:
 
 @contextlib.contextmanager
 def added_cost(where: str | None):
-    """Deliberately add per-step work to the default path (to show the guard failing on it).
+    """Deliberately add per-step work to the default path, of the kind a feature's bookkeeping adds, to
+    show the guard failing on it.
 
-    scheduler: every step copies each running sequence's token list (the kind of pass over the batch a
-    feature's bookkeeping adds); engine: every layer checks its queries for non-finite values (one more
-    op per layer)."""
+    scheduler: every step re-hashes every running sequence's full blocks (prefix-cache bookkeeping redone
+    each step instead of once per block); engine: every layer widens its whole KV cache to float32 (what
+    reading a narrower cache through a dense conversion would cost)."""
     if where in (None, "none"):
         yield
         return
@@ -271,7 +276,9 @@ def added_cost(where: str | None):
 
         def slower(self):
             out = orig(self)
-            self._guard_copies = {r.seq_id: list(r.token_ids) for r in self.running}
+            for r in self.running:
+                tokens = r.token_ids
+                self._guard_hashes = [hash(tuple(tokens[i:i + 16])) for i in range(0, len(tokens) - 15, 16)]
             return out
     elif where == "engine":
         from services.engine.attention import PagedAttention
@@ -279,9 +286,9 @@ def added_cost(where: str | None):
         owner, name = PagedAttention, "__call__"
         orig = PagedAttention.__call__
 
-        def slower(self, q, *args, **options):
-            bool(q.isfinite().all())
-            return orig(self, q, *args, **options)
+        def slower(self, q, k, v, k_cache, v_cache, *args, **options):
+            k_cache.float(), v_cache.float()
+            return orig(self, q, k, v, k_cache, v_cache, *args, **options)
     else:
         raise ValueError(f"--inject: scheduler, engine or none, not {where!r}")
     setattr(owner, name, slower)
