@@ -19,7 +19,11 @@ from pathlib import Path
 
 # What services.device_check.run imports beyond torch and Triton (and torch's own dependencies), found by
 # running its dry run with an interpreter that holds only those (tests/device_check/test_gpu_bundle.py does).
-CHECK_REQUIREMENTS = ("numpy>=1.26", "xxhash>=3.4", "safetensors>=0.4")
+# The engine reads every config.json through transformers' own config classes (services/engine/models), so
+# transformers and what it imports at start come along (about 37 MiB in all).
+CHECK_REQUIREMENTS = ("numpy>=1.26", "xxhash>=3.4", "safetensors>=0.4", "transformers>=5,<6", "huggingface-hub",
+                      "tokenizers", "regex", "pyyaml", "packaging", "tqdm", "httpx2", "httpcore2", "h11", "idna",
+                      "truststore")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 LIMIT_BYTES = 56 << 20  # the device tool carries 64 MiB with the working tree (about 3 MiB)

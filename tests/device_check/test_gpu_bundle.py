@@ -65,7 +65,8 @@ def test_offline_device_command_in_a_fresh_clone(tmp_path):
                              f"PYTHON={sys.executable}"], env=env, capture_output=True, text=True, timeout=300)
     assert bundle.returncode == 0, bundle.stdout + bundle.stderr
     wheels = sorted(p.name.split("-")[0] for p in (clone / ".gpu-bundle").glob("*.whl"))
-    assert wheels == ["numpy", "safetensors", "xxhash"]
+    assert wheels == ["h11", "httpcore2", "httpx2", "huggingface_hub", "idna", "numpy", "packaging", "pyyaml", "regex",
+                      "safetensors", "tokenizers", "tqdm", "transformers", "truststore", "xxhash"]
     status = subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], capture_output=True, text=True)
     assert status.stdout == "", "the bundle must land in an ignored folder"
 

@@ -168,12 +168,13 @@ def run(args) -> int:
     systems: list[tuple[str, object]] = []
     if args.endpoint:
         systems.append(("endpoint", args.endpoint.rstrip("/")))
-    spec = getattr(args, "speculative_config", None)
+    speculative = getattr(args, "speculative_config", None)
     for mode in [m.strip() for m in (args.systems or "").split(",") if m.strip()]:
         systems.append((f"pagedserve {mode}", lambda port, mode=mode: pagedserve_server(mode, args, port, log_dir)))
-        if spec:  # the same server with speculative decoding, right after it on the same workload
+        if speculative:  # the same server with speculative decoding, right after it on the same workload
             systems.append((f"pagedserve {mode} +spec", lambda port, mode=mode: pagedserve_server(
-                mode, args, port, log_dir, ["--speculative-config", spec], log_name=f"pagedserve-{mode}-spec")))
+                mode, args, port, log_dir, ["--speculative-config", speculative],
+                log_name=f"pagedserve-{mode}-spec")))
     if args.against == "vllm":
         model_dir = resolve_model(args.model)
         served = args.served_model_name or "SmolLM2-135M-Instruct"
