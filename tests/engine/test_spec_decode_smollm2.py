@@ -10,9 +10,11 @@ from services import LLM, SamplingParams
 from services.model_files.model_source import resolve_model
 from services.request.structured_outputs import StructuredOutputsParams
 from tests.engine.lora_adapters import save_random_adapter
+from tests.engine.models.test_families import ForcedPreemption
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-# 28 blocks of 16 tokens for six ~70-token prompts and their outputs: preemption; 48-token steps: chunks.
+# 28 blocks of 16 tokens for six ~70-token prompts and their outputs; 48-token steps: chunks. The pool
+# alone does not preempt here (admission waits for blocks), so a step hook preempts every few steps.
 ENGINE = dict(dtype="float32", num_kv_blocks=28, max_num_batched_tokens=48, max_num_seqs=6, max_loras=1,
               max_lora_rank=8)
 HEADER = "You are a careful assistant. Copy exactly what you are asked to copy.\n"
@@ -36,6 +38,7 @@ def adapter(tmp_path_factory):
 
 def generate(adapter, spec):
     llm = LLM(speculative_config=spec, **ENGINE)
+    llm.step_hook = ForcedPreemption(every=6)  # mid-draft too: rejected drafts and preemption together
     llm.load_lora("a", str(adapter))
     params = [SamplingParams(temperature=0, max_tokens=32) for _ in PROMPTS]
     params[3] = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
