@@ -19,7 +19,7 @@ from services.registry.index_grid import STRIDE
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(seed=0, capacity=4000, cached_blocks=20, groups_per_replica=1, questions=3, min_decisions=40,
-                hold=0, publish_every=5, event_seconds=0.2, event_scale=0.05, replay_seconds=0.2, write_rate=200.0,
+                hold=0, publish_every=5, event_seconds=0.2, event_scale=0.05, replay_seconds=0.2, write_rate=1000.0,
                 writers=1, special_decisions=5)
     base.update(kw)
     return argparse.Namespace(**base)
@@ -33,9 +33,11 @@ def test_a_small_fleet_routes_like_the_oracle_and_absorbs_the_replay(where, requ
     assert r.oracle_fraction > 0.9 and r.busiest_vs_fair <= 3
     assert r.redis_us_per_decision > 0 and r.decision_p99_ms >= r.decision_p50_ms > 0
     assert "zcount" in r.redis_by_command and r.redis_by_command["zcount"]["calls_per_decision"] > 0
-    # The decisions ran while writer processes filed the fleet's block events (ZREM is only theirs).
+    # The decisions ran while writer processes filed the fleet's block events (ZREM is only theirs). Only
+    # every STRIDE-th position is filed: the rate is high enough that a loaded machine's short decision
+    # phase still sees filed positions (at 200 events/s it once saw none).
     w = r.write_load
-    assert w["target_events_per_s"] == 6 * 200 and w["events_per_s"] > 0 and w["writes_per_s"] > 0
+    assert w["target_events_per_s"] == 6 * 1000 and w["events_per_s"] > 0 and w["writes_per_s"] > 0
     assert w["zadd_calls"] > 0 and "zrem" in r.redis_by_command
     assert {k: v["decisions"] for k, v in r.whole_fleet_decisions.items()} == {"session": 5, "lora": 5}
     p = r.replay
