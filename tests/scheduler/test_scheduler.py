@@ -21,7 +21,9 @@ def make_core(tokenizer, num_blocks=64, block_size=4, budget=32, max_seqs=8, cac
     return core, ex
 
 
-def run_all(core, limit=10_000):
+def run_all(core, limit=10_000, on_step=None):
+    """Step until every request finishes (the pool's invariants checked after each step); `on_step(core)`
+    runs after each step too."""
     outs = {}
     for _ in range(limit):
         if not core.has_unfinished():
@@ -30,6 +32,8 @@ def run_all(core, limit=10_000):
             if o.finished:
                 outs[o.request_id] = o
         core.pool.check_invariants()
+        if on_step is not None:
+            on_step(core)
     assert not core.has_unfinished()
     return outs
 

@@ -16,6 +16,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.spec_decode.ngram import TokenBuffer, propose_ngram
 from services.scheduler.spec_decode.policy import Candidate, StepCostModel, plan_drafts
 from tests.scheduler.shadow_executor import EOS, ShadowExecutor
+from tests.scheduler.test_scheduler import run_all as _run_all
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "knee_tokens": 64}
@@ -30,18 +31,7 @@ def make_core(tokenizer, spec=NGRAM, num_blocks=96, block_size=4, budget=64, max
 
 
 def run_all(core, limit=20_000, on_step=None):
-    outs = {}
-    for _ in range(limit):
-        if not core.has_unfinished():
-            break
-        for o in core.step():
-            if o.finished:
-                outs[o.request_id] = o
-        core.pool.check_invariants()
-        if on_step is not None:
-            on_step(core)
-    assert not core.has_unfinished()
-    return outs
+    return _run_all(core, limit, on_step)  # drafts make more steps than the plain tests' bound
 
 
 def workload(seed=0, n=10):

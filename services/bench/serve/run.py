@@ -37,19 +37,25 @@ from services.contracts import metric_names as M
 _GUIDED = (M.GUIDED_MASK_SECONDS, M.GUIDED_MASK_STEPS, M.GUIDED_CONSTRAINED_ROWS, M.SAMPLED_ROWS)
 
 
-def guided_counters(url: str) -> dict[str, float] | None:
-    """The structured-output counters a pagedserve server exports (None: another server, or no metrics)."""
+def _exported(url: str, names: tuple[str, ...]) -> dict[str, float] | None:
+    """The values of counters `names` in a server's /metrics (a labelled series' first sample); None where the
+    server has no metrics or lacks one of them."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
     found = {}
-    for name in _GUIDED:
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    for name in names:
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
         if m is None:
             return None
         found[name] = float(m.group(1))
     return found
+
+
+def guided_counters(url: str) -> dict[str, float] | None:
+    """The structured-output counters a pagedserve server exports (None: another server, or no metrics)."""
+    return _exported(url, _GUIDED)
 
 
 def mask_cost(before: dict | None, after: dict | None) -> dict | None:
@@ -67,17 +73,7 @@ _SPEC = (M.SPEC_DECODE_NUM_DRAFTS, M.SPEC_DECODE_NUM_DRAFT_TOKENS, M.SPEC_DECODE
 
 def spec_counters(url: str) -> dict[str, float] | None:
     """The speculative-decoding counters a server exports under vLLM's names (None: it does not speculate)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    found = {}
-    for name in _SPEC:
-        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-        if m is None:
-            return None
-        found[name] = float(m.group(1))
-    return found
+    return _exported(url, _SPEC)
 
 
 def spec_summary(before: dict | None, after: dict | None) -> dict | None:
