@@ -56,32 +56,34 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                      max_context_len: int | None = None, num_splits: int | None = None,
-                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA, split-KV).
 
     Returns `[num_seqs, num_q_heads, head_dim]`; see `decode_attention_ref`. With `max_context_len`
     (host-side) the launch reads nothing back from the device; `num_splits` overrides the heuristic.
-    `window`, `softcap`: see kernels.reference.
+    `window`, `softcap`, `sinks`: see kernels.reference.
     """
     launch = _launcher("triton_decode", "decode_attention")
     return launch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len,
-                  num_splits=num_splits, window=window, softcap=softcap)
+                  num_splits=num_splits, window=window, softcap=softcap, sinks=sinks)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                       scale: float, *, max_query_len: int | None = None,
                       max_context_len: int | None = None, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked prefill over paged KV, causal within each sequence.
 
     Returns `[num_tokens, num_q_heads, head_dim]`; see `prefill_attention_ref`. With both maxima given
-    (host-side) the launch reads nothing back from the device. `window`, `softcap`: see kernels.reference.
+    (host-side) the launch reads nothing back from the device. `window`, `softcap`, `sinks`: see
+    kernels.reference.
     """
     launch = _launcher("triton_prefill", "prefill_attention")
     return launch(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
                   max_query_len=max_query_len, max_context_len=max_context_len, window=window,
-                  softcap=softcap)
+                  softcap=softcap, sinks=sinks)
 
 
 __all__ = [

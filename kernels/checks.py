@@ -119,13 +119,25 @@ def check_prefill(op: str, q, k_cache, v_cache, block_tables, query_start_loc, c
                  query_start_loc=query_start_loc, context_lens=context_lens)
 
 
-def check_options(op: str, window, softcap) -> None:
-    """The attention options (kernels.reference): a window of >= 1 positions, a positive soft-cap."""
+def check_options(op: str, window, softcap, sinks=None, q: torch.Tensor | None = None) -> None:
+    """The attention options (kernels.reference): a window of >= 1 positions, a positive soft-cap, and
+    sinks as one float32 logit per query head of `q`, on q's device, contiguous (the kernels index them by
+    head). Metadata only: no value is read, so a sink's value (even -inf: no sink) is the caller's."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{op}: window must be None or an integer >= 1, got {window!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
                                 or not softcap > 0):
         raise ValueError(f"{op}: softcap must be None or a number > 0, got {softcap!r}")
+    if sinks is None:
+        return
+    _tensor(op, "sinks", sinks, 1, (torch.float32,))
+    if q is not None:
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"{op}: sinks must hold one logit per query head ({q.shape[1]}); "
+                             f"got shape {tuple(sinks.shape)}")
+        _same_device(op, q=q, sinks=sinks)
+    if sinks.numel() > 1 and sinks.stride(0) != 1:
+        raise ValueError(f"{op}: sinks must be contiguous; got stride {sinks.stride()}")
 
 
 def check_strides(op: str, **tensors: torch.Tensor) -> None:

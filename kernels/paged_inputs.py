@@ -104,9 +104,11 @@ def slots_of(block_tables: torch.Tensor, context_lens: list[int], block_size: in
     return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
 
 
-def dense_attention(inputs: PagedInputs, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def dense_attention(inputs: PagedInputs, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float64, per sequence, from first principles: the answer every kernel and reference must match.
-    `window`: a query at position p sees p - window + 1 .. p; `softcap`: scores capped as cap * tanh(s / cap)."""
+    `window`: a query at position p sees p - window + 1 .. p; `softcap`: scores capped as cap * tanh(s / cap);
+    `sinks` [num_q_heads]: per head, exp(sink) joins each softmax's denominator (and adds no value)."""
     q = inputs.q.cpu().double()
     k_cache, v_cache = inputs.k_cache.cpu().double(), inputs.v_cache.cpu().double()
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -129,7 +131,13 @@ def dense_attention(inputs: PagedInputs, window: int | None = None, softcap: flo
         if window is not None:
             hidden |= k_pos <= q_pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # normalised by hand, not by a softmax over an extra column: a second derivation of the rule
+            top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks.cpu().double()[:, None, None])
+            e = (scores - top).exp()
+            probs = e / (e.sum(dim=-1, keepdim=True) + (sinks.cpu().double()[:, None, None] - top).exp())
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
 

@@ -7,8 +7,14 @@ Options every attention entry point takes (keyword-only, the same on every backe
 - `window`: a query at position p sees keys at positions p - window + 1 .. p only (None: all earlier
   ones), as transformers' sliding-window mask; block-table entries before the window are never read.
 - `softcap`: scores become `softcap * tanh(score / softcap)` before the softmax (Gemma 2), with the
-  score already scaled, as transformers' eager attention does. Written with batched tensor ops (no Python loop over
-decode sequences) because on the CPU this *is* the production path. Inputs are checked as the Triton
+  score already scaled, as transformers' eager attention does.
+- `sinks`: a float32 `[num_q_heads]` tensor of learned logits (gpt-oss), one per query head, that join
+  each softmax's denominator and contribute no value: p_j = exp(s_j - m) / (exp(sink - m) + sum_k
+  exp(s_k - m)), m = max(sink, max_k s_k), as transformers' gpt_oss eager attention (the sink as an extra
+  logit column, dropped after the softmax). The sink is a logit as it stands: not scaled, not capped.
+
+Written with batched tensor ops (no Python loop over decode sequences) because on the CPU this *is* the
+production path. Inputs are checked as the Triton
 launchers check them (kernels.checks), except for value checks that would cost an extra pass here.
 """
 
@@ -59,11 +65,13 @@ def _readable(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered keys or values SDPA can read: an FP8 cache's e4m3 values widened to the queries' dtype (the
     per-tensor scales are applied by the caller, to the softmax scale and to the output)."""
     return kv.to(dtype) if kv.dtype == torch.float8_e4m3fn else kv
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-            scale: float, softcap: float | None) -> torch.Tensor:
+            scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, Lq, D] over k/v [B, Hk, L, D]; mask broadcastable to [B, Hq, Lq, L] (True: visible)."""
     gqa = k.shape[1] != q.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=gqa)
     if gqa:
@@ -71,22 +79,31 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     # transformers' eager attention, op for op: scaled scores, capped, masked, softmax in float32.
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+    # gpt-oss: the head's sink as one more logit column, in float32 (the sink is float32: rounding it to
+    # a bfloat16 query's dtype would move it), softmaxed with the scores and dropped before the values.
+    b, h, lq = scores.shape[0], scores.shape[1], scores.shape[2]
+    column = sinks.view(1, h, 1, 1).expand(b, h, lq, 1)
+    probs = torch.softmax(torch.cat([scores.float(), column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         scale: float, *, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                         scale: float, *, window: int | None = None, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context (GQA): `[num_seqs, num_q_heads, head_dim]`."""
     op = "kernels.decode_attention_ref"
     check_decode(op, q, k_cache, v_cache, block_tables, context_lens, scale)
-    check_options(op, window, softcap)
+    check_options(op, window, softcap, sinks, q)
     num_seqs, num_q_heads, head_dim = q.shape
     if num_seqs == 0:
         return q.new_empty(q.shape)
@@ -102,14 +119,14 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     mask = positions[None, :] < lens  # [S, L]
     if window is not None:
         mask &= positions[None, :] >= lens - window
-    out = _attend(q.unsqueeze(2).to(k.dtype), k, v, mask[:, None, None, :], False, scale, softcap)
+    out = _attend(q.unsqueeze(2).to(k.dtype), k, v, mask[:, None, None, :], False, scale, softcap, sinks)
     return out.squeeze(2).to(q.dtype)
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           context_lens: torch.Tensor, scale: float, *, window: int | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Chunked prefill over paged KV: sequence s's last `q_len_s` of `context_lens[s]` positions are new.
 
     Each new token attends causally to every earlier position of its sequence (cached blocks and the
@@ -118,7 +135,7 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """
     op = "kernels.prefill_attention_ref"
     check_prefill(op, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
-    check_options(op, window, softcap)
+    check_options(op, window, softcap, sinks, q)
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -138,7 +155,7 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         mask, causal = causal_mask(ctx - q_len, q_len, window, q.device)
         # 4-D inputs: PyTorch's CPU flash-attention kernel only takes batched input; 3-D falls back to
         # the unfused math path, several times slower.
-        o = _attend(qs[None], k[None], v[None], mask, causal, scale, softcap)[0]
+        o = _attend(qs[None], k[None], v[None], mask, causal, scale, softcap, sinks)[0]
         out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
 

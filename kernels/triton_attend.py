@@ -7,9 +7,10 @@ a tile may span several KV blocks and the blocks need not be contiguous or unsha
 log2 units (`qk_scale` already holds scale * log2(e)) so the exponentials are exp2.
 
 Options, compiled in only where used (constexpr switches): a sliding window (a row at position p sees
-positions > p - window; callers also start their range at the window) and logit soft-capping
+positions > p - window; callers also start their range at the window), logit soft-capping
 (`softcap * tanh(score / softcap)` on the scaled score; `qk_scale` is then the plain scale and the
-log2 factor is applied after the cap).
+log2 factor is applied after the cap) and attention sinks (`sink`: each row's sink logit in log2 units,
+-inf for none, which joins the denominator and no value: the online softmax starts from it).
 
 Importing this module imports Triton: only the launchers import it, lazily.
 """
@@ -25,15 +26,22 @@ def attend_range(q, q_pos, k_head_ptr, v_head_ptr, table_row_ptr, n_start, n_end
                  stride_kb, stride_kt, stride_vb, stride_vt, ROWS: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 window=0, softcap=0.0, HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False):
+                 window=0, softcap=0.0, sink=0.0, HAS_WINDOW: tl.constexpr = False,
+                 HAS_SOFTCAP: tl.constexpr = False, HAS_SINKS: tl.constexpr = False):
     """Attend `ROWS` query rows to positions [n_start, n_end).
 
     Returns the unnormalised output `acc` [ROWS, BLOCK_D], the running max `m_i` (log2 units) and the
-    softmax denominator `l_i` (0 for a row that saw no position).
+    softmax denominator `l_i` (0 for a row that saw no position and has no sink).
     """
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is a logit seen before any position: the running max starts at it and the denominator
+        # at its own term, exp2(sink - sink) = 1 (0 for a row without one, sink -inf). It adds no value.
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     for tile_start in range(n_start, n_end, TILE_N):

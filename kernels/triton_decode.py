@@ -7,6 +7,10 @@ and writes the output itself; with several, each writes a normalised partial out
 to float32 scratch, and a second small kernel combines the splits. The split count grows until there
 are about two programs per multiprocessor, so a small batch with a long context still fills the GPU.
 
+Attention sinks (gpt-oss) join each (sequence, head)'s softmax exactly once: split 0 starts its online
+softmax from the sink, so the sink's mass is in that split's log-sum-exp and the reduce weighs it in
+like any position; the other splits start from nothing. With one split the program does the same.
+
 Each sequence divides its own context among the splits (at least `min_split_tokens` per split), on the
 device: the grid depends only on host-side numbers (batch size, split count), never on the contents of
 `context_lens`. So a caller that knows the longest context (the engine builds it on the host with the
@@ -43,7 +47,7 @@ PROGRAMS_PER_SM = 2
 # divisible by 16 (tests/engine/test_kernel_warmup.py counts the variants over a run of steps).
 @triton.jit(do_not_specialize=["num_splits", "stride_table", "window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr,
-                         out_ptr, part_out_ptr, part_lse_ptr,
+                         out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr,
                          qk_scale, num_splits, min_split_tokens, num_q_heads,
                          stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh, stride_table, stride_os, stride_oh,
@@ -51,7 +55,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_le
                          QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                          SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         HAS_SOFTCAP: tl.constexpr):
+                         HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,13 +75,21 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_le
     head = kv_head * QUERIES_PER_KV + g
     row_mask = (g < QUERIES_PER_KV)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+    if HAS_SINKS:
+        # In log2 units, as the scores. Only split 0 carries it, so the reduce counts it once.
+        sink = tl.load(sinks_ptr + head, mask=g < QUERIES_PER_KV, other=float("-inf")) * 1.4426950408889634
+        if SPLIT:
+            sink = tl.where(split == 0, sink, float("-inf"))
+    else:
+        sink = 0.0
 
     acc, m_i, l_i = attend_range(q, g, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
                                  tables_ptr + seq * stride_table, n_start, n_end, qk_scale,
                                  stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_G,
                                  BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, False, DOT_PRECISION,
-                                 softcap=softcap, HAS_SOFTCAP=HAS_SOFTCAP)
-    # A split past this sequence's end saw nothing: it writes zeros and lse -inf (weight 0 in the reduce).
+                                 softcap=softcap, sink=sink, HAS_SOFTCAP=HAS_SOFTCAP, HAS_SINKS=HAS_SINKS)
+    # A split past this sequence's end saw nothing (and has no sink: only split 0 does): it writes zeros
+    # and lse -inf (weight 0 in the reduce).
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -128,17 +140,18 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           max_context_len: int | None = None, num_splits: int | None = None,
                           min_split_tokens: int = MIN_SPLIT_TOKENS, tile_n: int = DEFAULT_TILE_N,
                           num_warps: int = 4, num_stages: int | None = None, window: int | None = None,
-                          softcap: float | None = None) -> Callable[[], torch.Tensor]:
+                          softcap: float | None = None, sinks: torch.Tensor | None = None
+                          ) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
     `max_context_len`: the longest context, known on the host. Given, the launch reads nothing back
     from the device (no sync, CUDA-graph safe) and the caller vouches for every context being in
     [1, max_context_len]; omitted, it is read from `context_lens` and every length is checked.
-    Split from the launch so the benchmark can time the kernels alone; `window` and `softcap` as in
-    kernels.reference; the other keyword-only knobs are for tests and the benchmark.
+    Split from the launch so the benchmark can time the kernels alone; `window`, `softcap` and `sinks`
+    as in kernels.reference; the other keyword-only knobs are for tests and the benchmark.
     """
     check_decode(OP, q, k_cache, v_cache, block_tables, context_lens, scale)
-    check_options(OP, window, softcap)
+    check_options(OP, window, softcap, sinks, q)
     check_device(OP, q)
     check_strides(OP, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                   context_lens=context_lens)
@@ -174,7 +187,9 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     def run() -> torch.Tensor:
         with device_guard(q):
             _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+                # Without sinks q stands in for their pointer, never read (HAS_SINKS off).
                 q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+                q if sinks is None else sinks,
                 float(scale) * (1.0 if softcap else LOG2E), num_splits, min_split_tokens, num_q_heads,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -182,7 +197,7 @@ def plan_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                 QUERIES_PER_KV=queries_per_kv, BLOCK_G=max(16, next_pow2(queries_per_kv)), HEAD_DIM=head_dim,
                 BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=split,
                 DOT_PRECISION=dot_precision(q.dtype), HAS_WINDOW=window is not None,
-                HAS_SOFTCAP=softcap is not None, num_warps=num_warps, **extra,
+                HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, num_warps=num_warps, **extra,
             )
             if split:
                 _decode_reduce_kernel[(num_seqs, num_q_heads)](

@@ -6,7 +6,8 @@ group. Sequence s's new tokens are its last q_len_s positions: token i sits at p
 context_len - q_len + i and sees positions 0..itself, cached blocks and the chunk alike (its own keys
 and values are already in the cache). A program stops at the last position its newest token sees.
 A decode token is the case q_len = 1; the split-KV decode kernel is faster for that, because here a
-long context is never split across programs.
+long context is never split across programs. Attention sinks start each row's online softmax (its
+query head's sink, kernels.triton_attend).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ DEFAULT_TILE_N = 64
 # The block-table width varies from step to step: no variant per value divisible by 16 or equal to 1.
 @triton.jit(do_not_specialize=["stride_table", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc_ptr, context_lens_ptr,
-                    out_ptr, qk_scale,
+                    out_ptr, sinks_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_table, stride_ot, stride_oh, window, softcap,
                     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -56,6 +57,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_mask, other=0.0)
     q_pos = context_len - q_len + token
+    if HAS_SINKS:  # each row's query head's sink, in log2 units as the scores
+        sink = tl.load(sinks_ptr + head, mask=g < QUERIES_PER_KV, other=float("-inf")) * 1.4426950408889634
+    else:
+        sink = 0.0
     # The tile's newest token is the last position any row here sees.
     n_end = tl.minimum(context_len, context_len - q_len + (q_tile + 1) * BLOCK_Q)
     # With a window, the tile's oldest token sees nothing before its own window.
@@ -67,7 +72,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_loc
                                tables_ptr + seq * stride_table, n_start, n_end, qk_scale,
                                stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_Q * BLOCK_G,
                                BLOCK_SIZE, TILE_N, BLOCK_D, HEAD_DIM, True, DOT_PRECISION,
-                               window=window, softcap=softcap, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP)
+                               window=window, softcap=softcap, sink=sink, HAS_WINDOW=HAS_WINDOW,
+                               HAS_SOFTCAP=HAS_SOFTCAP, HAS_SINKS=HAS_SINKS)
     # Every valid row sees at least position 0, so l_i > 0 there; padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -86,18 +92,19 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context_len: int | None = None, block_m: int | None = None,
                            tile_n: int = DEFAULT_TILE_N, num_warps: int | None = None,
                            num_stages: int | None = None, window: int | None = None,
-                           softcap: float | None = None) -> Callable[[], torch.Tensor]:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None
+                           ) -> Callable[[], torch.Tensor]:
     """Check the inputs, size the grid and allocate; return `run()`, which launches and returns the output.
 
     `max_query_len` and `max_context_len`: the longest chunk and context, known on the host. Given
     both, the launch reads nothing back from the device and the caller vouches for the layout
     (query_start_loc running 0..num_tokens, no chunk longer than its context); omitted, the offsets and
     lengths are read once and checked. Split from the launch so the benchmark can time the kernel
-    alone; `window` and `softcap` as in kernels.reference; the other keyword-only knobs are for tests and
-    the benchmark.
+    alone; `window`, `softcap` and `sinks` as in kernels.reference; the other keyword-only knobs are for
+    tests and the benchmark.
     """
     check_prefill(OP, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
-    check_options(OP, window, softcap)
+    check_options(OP, window, softcap, sinks, q)
     check_device(OP, q)
     check_strides(OP, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                   query_start_loc=query_start_loc, context_lens=context_lens)
@@ -138,15 +145,16 @@ def plan_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     def run() -> torch.Tensor:
         with device_guard(q):
             _prefill_kernel[grid](
+                # Without sinks q stands in for their pointer, never read (HAS_SINKS off).
                 q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-                float(scale) * (1.0 if softcap else LOG2E),
+                q if sinks is None else sinks, float(scale) * (1.0 if softcap else LOG2E),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
                 out.stride(0), out.stride(1), window or 0, float(softcap or 0.0),
                 QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
                 BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=tile_n,
                 DOT_PRECISION=dot_precision(q.dtype), HAS_WINDOW=window is not None,
-                HAS_SOFTCAP=softcap is not None, num_warps=num_warps, **extra,
+                HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, num_warps=num_warps, **extra,
             )
         return out
 

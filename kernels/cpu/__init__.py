@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from kernels.checks import check_options
+
 log = logging.getLogger(__name__)
 _module = None
 _failed = False
@@ -50,16 +52,18 @@ def amx_in_use() -> bool:
 
 
 def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float, *,
-                         window: int | None = None, softcap: float | None = None):
-    """`window`, `softcap`: as in kernels.reference (the C++ kernel's generic path takes them)."""
+                         window: int | None = None, softcap: float | None = None, sinks=None):
+    """`window`, `softcap`, `sinks`: as in kernels.reference (the C++ kernel's generic path takes all three;
+    the AVX512-BF16 one takes sinks too; the AMX one none, so calls with options skip it)."""
+    check_options("kernels.cpu.decode_attention_cpu", window, softcap, sinks, q)
     mod = load()
     if mod is None:
         from kernels.reference import decode_attention_ref
 
         return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window=window,
-                                    softcap=softcap)
+                                    softcap=softcap, sinks=sinks)
     return mod.paged_decode(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale,
-                            window or 0, softcap or 0.0)
+                            window or 0, softcap or 0.0, sinks)
 
 
 def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -7,7 +7,8 @@
 //     core idle while the other finishes a long sequence;
 //   - both products are vdpbf16ps: scores against the stored keys (the query rounded to bfloat16
 //     once), and values two tokens at a time against probability pairs rounded to bfloat16, as flash
-//     attention does. Softmax is exact, in float32.
+//     attention does. Softmax is exact, in float32, with each head's attention sink (gpt-oss) in its
+//     denominator when given.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -73,11 +74,12 @@ inline void resolve_rows(const c10::BFloat16* base, const Cache& c, const int32_
 }
 
 // In place: each float32 score row becomes exp(s - max) rounded to bfloat16, packed into its own first
-// half (writes trail reads), with a zero after an odd last token; returns 1 / sum per row.
-inline void probabilities(float* scores, int64_t rows, int64_t L, float* inv) {
+// half (writes trail reads), with a zero after an odd last token; returns 1 / sum per row, row r's sink
+// (sinks[r]; nullptr: none) in the sum.
+inline void probabilities(float* scores, int64_t rows, int64_t L, const float* sinks, float* inv) {
   for (int64_t r = 0; r < rows; ++r) {
     float* sc = scores + r * L;
-    inv[r] = softmax_unnormalised(sc, L);
+    inv[r] = softmax_unnormalised(sc, L, sinks ? sinks + r : nullptr);
     uint16_t* pb = reinterpret_cast<uint16_t*>(sc);
     int64_t t = 0;
     for (; t + 32 <= L; t += 32)
@@ -89,10 +91,10 @@ inline void probabilities(float* scores, int64_t rows, int64_t L, float* inv) {
 
 // G query heads per KV head, head dim 32 * C2. qb: the task's queries [heads][G][D] in bfloat16,
 // already scaled; part: scratch for [heads][G][16] partial dot products; out: [heads][G][D] float32
-// attention outputs, normalised.
+// attention outputs, normalised; sinks: the task's [heads][G] sinks, or nullptr.
 template <int G, int C2>
 void attend_task(const uint16_t* qb, const Cache& c, const int32_t* table, int64_t L, int64_t h0, int64_t H,
-                 float* scores, __m512* part, float* out) {
+                 const float* sinks, float* scores, __m512* part, float* out) {
   constexpr int D = 32 * C2;
   const c10::BFloat16* rows[16];
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
@@ -130,7 +132,7 @@ void attend_task(const uint16_t* qb, const Cache& c, const int32_t* table, int64
     }
   }
   float inv[64 * G];
-  probabilities(scores, H * G, L, inv);
+  probabilities(scores, H * G, L, sinks, inv);
   // Every head's value accumulators at once would not fit in the registers: between windows they
   // rest in `out` (in unpacked lane order).
   std::fill(out, out + H * G * D, 0.f);
@@ -178,8 +180,8 @@ void attend_task(const uint16_t* qb, const Cache& c, const int32_t* table, int64
   }
 }
 
-using TaskFn = void (*)(const uint16_t*, const Cache&, const int32_t*, int64_t, int64_t, int64_t, float*, __m512*,
-                       float*);
+using TaskFn = void (*)(const uint16_t*, const Cache&, const int32_t*, int64_t, int64_t, int64_t, const float*,
+                       float*, __m512*, float*);
 
 // The register budget decides the shapes: G x C2 query registers, 2 G C2 value accumulators.
 TaskFn pick(int64_t G, int64_t D) {
@@ -197,7 +199,7 @@ bool decode_bf16_usable(int64_t G, int64_t D, int64_t Hk) { return Hk <= 64 && p
 bool paged_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* bt,
                        const int32_t* cl, c10::BFloat16* out, int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t BS,
                        int64_t MB, int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1, int64_t c_s2,
-                       int64_t o_s0, int64_t o_s1, float scale) {
+                       int64_t o_s0, int64_t o_s1, float scale, const float* sinks) {
   const int64_t G = Hq / Hk;
   if (!decode_bf16_usable(G, D, Hk)) return false;
   const TaskFn fn = pick(G, D);
@@ -230,7 +232,8 @@ bool paged_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c1
           for (int64_t d = 0; d < D; ++d) qb[r * D + d] = c10::BFloat16(static_cast<float>(qp[d]) * scale).x;
         }
         scores.resize(H * G * L + 1);
-        fn(qb.data(), cache, bt + task.seq * MB, L, task.h0, H, scores.data(), part.data(), acc.data());
+        fn(qb.data(), cache, bt + task.seq * MB, L, task.h0, H, sinks ? sinks + task.h0 * G : nullptr, scores.data(),
+           part.data(), acc.data());
         for (int64_t r = 0; r < H * G; ++r) {
           c10::BFloat16* op = out + task.seq * o_s0 + (task.h0 * G + r) * o_s1;
           for (int64_t d = 0; d < D; ++d) op[d] = static_cast<c10::BFloat16>(acc[r * D + d]);
@@ -246,7 +249,7 @@ bool paged_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c1
 bool decode_bf16_usable(int64_t, int64_t, int64_t) { return false; }
 bool paged_decode_bf16(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int32_t*,
                        const int32_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float) {
+                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, const float*) {
   return false;
 }
 

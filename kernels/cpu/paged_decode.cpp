@@ -2,7 +2,9 @@
 // block table (no gather into a padded copy), all query heads of one KV group per task so each key
 // and value row is loaded once. Softmax and accumulation in float32 whatever the storage dtype.
 // bfloat16 caches go to the AMX kernel (amx_decode.cpp) or the AVX512-BF16 one (decode_bf16.cpp)
-// where the CPU and the shape allow; this file is the path for every other case.
+// where the CPU and the shape allow; this file is the path for every other case. Attention sinks
+// (gpt-oss: one logit per query head in the softmax's denominator, none in its values) are a pointer to
+// the group's G sinks, nullptr for none, taken by every path here and by decode_bf16.cpp's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -28,15 +30,24 @@ static inline __m512 load16(const c10::Half* p) {
 constexpr int64_t kPrefetch = 16;  // rows ahead to prefetch (into L2: see decode_bf16.cpp)
 #endif
 
+// Logit soft-capping (Gemma 2): cap * tanh(score / cap) on the scaled scores, in place; cap 0: none.
+// Declared before the AVX-512 paths, which call it from templates (GCC looks the name up at the definition).
+static inline void cap_scores(float* scores, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
+
 #if defined(__AVX512F__)
 // Second half of a register-resident task: softmax the G score rows in place, then accumulate the
 // weighted value rows (G x C float32 registers) and write the normalised outputs to `acc`.
 template <typename T, int G, int C>
 static inline void softmax_values(const T* vc, const int32_t* table, int64_t t0, int64_t L, int64_t BS,
-                                  int64_t c_s0, int64_t c_s1, int64_t h_off, float* scores, float* acc) {
+                                  int64_t c_s0, int64_t c_s1, int64_t h_off, const float* sinks, float* scores,
+                                  float* acc) {
   const int64_t n = L - t0;  // scores[g * n + (t - t0)] for positions t in [t0, L)
   float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * n, n);
+  for (int g = 0; g < G; ++g) inv[g] = softmax_unnormalised(scores + g * n, n, sinks ? sinks + g : nullptr);
   __m512 a[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
@@ -69,7 +80,7 @@ static inline void softmax_values(const T* vc, const int32_t* table, int64_t t0,
 template <typename T, int G, int C>
 static void attend_group_regs(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0,
                               int64_t L, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float cap,
-                              float* scores, float* acc) {
+                              const float* sinks, float* scores, float* acc) {
   const int64_t n = L - t0;
   __m512 q[G][C];
   for (int g = 0; g < G; ++g)
@@ -85,16 +96,16 @@ static void attend_group_regs(const float* qf, const T* kc, const T* vc, const i
     }
   }
   cap_scores(scores, G * n, cap);
-  softmax_values<T, G, C>(vc, table, t0, L, BS, c_s0, c_s1, h_off, scores, acc);
+  softmax_values<T, G, C>(vc, table, t0, L, BS, c_s0, c_s1, h_off, sinks, scores, acc);
 }
 
 template <typename T>
 static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0,
                               int64_t L, int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1,
-                              int64_t h_off, float cap, float* scores, float* acc) {
+                              int64_t h_off, float cap, const float* sinks, float* scores, float* acc) {
 #define PAGEDSERVE_CASE(GG, CC)                                                                              \
   if (G == GG && D == CC * 16) {                                                                            \
-    attend_group_regs<T, GG, CC>(qf, kc, vc, table, t0, L, BS, c_s0, c_s1, h_off, cap, scores, acc);        \
+    attend_group_regs<T, GG, CC>(qf, kc, vc, table, t0, L, BS, c_s0, c_s1, h_off, cap, sinks, scores, acc); \
     return true;                                                                                            \
   }
   PAGEDSERVE_CASE(1, 4) PAGEDSERVE_CASE(2, 4) PAGEDSERVE_CASE(3, 4) PAGEDSERVE_CASE(4, 4)
@@ -104,20 +115,14 @@ static bool attend_group_fast(const float* qf, const T* kc, const T* vc, const i
 }
 #endif
 
-// Logit soft-capping (Gemma 2): cap * tanh(score / cap) on the scaled scores, in place; cap 0: none.
-static inline void cap_scores(float* scores, int64_t n, float cap) {
-  if (cap <= 0.f) return;
-  const float inv = 1.f / cap;
-  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
-}
-
-// Normalised softmax of each of the G score rows, in place (the portable paths).
-static inline void softmax_rows(float* scores, int64_t G, int64_t L) {
+// Normalised softmax of each of the G score rows, in place (the portable paths); row g's sink, when
+// `sinks` is set, takes its share of the denominator.
+static inline void softmax_rows(float* scores, int64_t G, int64_t L, const float* sinks) {
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scores + g * L;
-    float m = -INFINITY;
+    float m = sinks ? sinks[g] : -INFINITY;
     for (int64_t t = 0; t < L; ++t) m = std::max(m, sc[t]);
-    float total = 0.f;
+    float total = sinks ? std::exp(sinks[g] - m) : 0.f;
     for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); total += sc[t]; }
     const float inv = 1.f / total;
     for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
@@ -125,17 +130,19 @@ static inline void softmax_rows(float* scores, int64_t G, int64_t L) {
 }
 
 // One (sequence, KV head) task: the G query heads of the group attend over positions [t0, L) of the
-// sequence's blocks (t0 > 0: a sliding window), scores soft-capped when cap > 0.
+// sequence's blocks (t0 > 0: a sliding window), scores soft-capped when cap > 0, with the G heads' sinks
+// (nullptr: none).
 // Two passes (scores, then weighted values) over rows read in place from the cache.
 template <typename T>
 static void attend_group(const float* qf, const T* kc, const T* vc, const int32_t* table, int64_t t0, int64_t L,
                          int64_t G, int64_t D, int64_t BS, int64_t c_s0, int64_t c_s1, int64_t h_off, float cap,
-                         float* scores, float* acc, float* row) {
+                         const float* sinks, float* scores, float* acc, float* row) {
   const int64_t n = L - t0;
 #if defined(__AVX512F__)
   // float8 caches take the portable path (rows widened through a 256-entry table).
   if constexpr (!std::is_same<T, double>::value && !std::is_same<T, c10::Float8_e4m3fn>::value) {
-  if (attend_group_fast<T>(qf, kc, vc, table, t0, L, G, D, BS, c_s0, c_s1, h_off, cap, scores, acc)) return;
+  if (attend_group_fast<T>(qf, kc, vc, table, t0, L, G, D, BS, c_s0, c_s1, h_off, cap, sinks, scores, acc))
+    return;
   if (D % 16 == 0 && D <= 256) {
     const int64_t C = D / 16;
     for (int64_t t = t0; t < L; ++t) {
@@ -149,7 +156,7 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
       }
     }
     cap_scores(scores, G * n, cap);
-    softmax_rows(scores, G, n);
+    softmax_rows(scores, G, n, sinks);
     std::fill(acc, acc + G * D, 0.f);
     for (int64_t t = t0; t < L; ++t) {
       const T* vp = vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off;
@@ -175,7 +182,7 @@ static void attend_group(const float* qf, const T* kc, const T* vc, const int32_
     }
   }
   cap_scores(scores, G * n, cap);
-  softmax_rows(scores, G, n);
+  softmax_rows(scores, G, n, sinks);
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = t0; t < L; ++t) {
     widen(vc + table[t / BS] * c_s0 + (t % BS) * c_s1 + h_off, row, D);
@@ -191,7 +198,8 @@ static void decode_kernel(const T* __restrict q, const C* __restrict kc, const C
                           const int32_t* __restrict bt, const int32_t* __restrict cl, T* __restrict out,
                           int64_t S, int64_t Hq, int64_t Hk, int64_t D, int64_t BS, int64_t MB,
                           int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1, int64_t c_s2,
-                          int64_t o_s0, int64_t o_s1, float scale, int64_t window, float cap) {
+                          int64_t o_s0, int64_t o_s1, float scale, int64_t window, float cap,
+                          const float* __restrict sinks) {
   const int64_t G = Hq / Hk;
   at::parallel_for(0, S * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), scores;
@@ -204,8 +212,8 @@ static void decode_kernel(const T* __restrict q, const C* __restrict kc, const C
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
       }
       scores.resize(G * (L - t0));
-      attend_group<C>(qf.data(), kc, vc, bt + s * MB, t0, L, G, D, BS, c_s0, c_s1, h * c_s2, cap, scores.data(),
-                      acc.data(), row.data());
+      attend_group<C>(qf.data(), kc, vc, bt + s * MB, t0, L, G, D, BS, c_s0, c_s1, h * c_s2, cap,
+                      sinks ? sinks + h * G : nullptr, scores.data(), acc.data(), row.data());
       for (int64_t g = 0; g < G; ++g) {
         T* op = out + s * o_s0 + (h * G + g) * o_s1;
         for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[g * D + d]);
@@ -224,16 +232,18 @@ bool set_amx_enabled(bool enabled);
 bool paged_decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
                        const int32_t* bt, const int32_t* cl, c10::BFloat16* out, int64_t S, int64_t Hq, int64_t Hk,
                        int64_t D, int64_t BS, int64_t MB, int64_t q_s0, int64_t q_s1, int64_t c_s0, int64_t c_s1,
-                       int64_t c_s2, int64_t o_s0, int64_t o_s1, float scale);
+                       int64_t c_s2, int64_t o_s0, int64_t o_s1, float scale, const float* sinks);
 bool decode_bf16_usable(int64_t G, int64_t D, int64_t Hk);
 bool amx_decode_usable(int64_t G, int64_t D, int64_t BS);
 bool amx_available();
 
 // window > 0: each query sees only the last `window` positions of its context; softcap > 0: scores are
 // soft-capped. Either option takes the generic kernel (the AMX and AVX512-BF16 paths have neither).
+// sinks: float32 [Hq], one logit per query head (gpt-oss); the AVX512-BF16 path takes them, the AMX one
+// does not (untested without the hardware), so sinks skip it.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window,
-                           double softcap) {
+                           double softcap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be 3-D and the caches 4-D");
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "k_cache and v_cache must share strides");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
@@ -242,13 +252,28 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hk = k_cache.size(2), MB = block_tables.size(1);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == Hq &&
+                    sinks->is_contiguous() && sinks->device().is_cpu(),
+                "sinks must be a contiguous float32 CPU tensor with one logit per query head");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   if (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && window == 0 && softcap == 0) {
-    for (auto path : {&paged_decode_amx, &paged_decode_bf16})  // each says false when it cannot take this
-      if (path(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-               block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), S,
-               Hq, Hk, D, BS, MB, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               out.stride(0), out.stride(1), static_cast<float>(scale)))
-        return out;
+    // Each path says false when it cannot take this shape here.
+    if (sink_ptr == nullptr &&
+        paged_decode_amx(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                         v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(),
+                         context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), S, Hq, Hk, D, BS, MB,
+                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                         out.stride(0), out.stride(1), static_cast<float>(scale)))
+      return out;
+    if (paged_decode_bf16(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                          v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int32_t>(),
+                          context_lens.data_ptr<int32_t>(), out.data_ptr<at::BFloat16>(), S, Hq, Hk, D, BS, MB,
+                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          out.stride(0), out.stride(1), static_cast<float>(scale), sink_ptr))
+      return out;
   }
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     TORCH_CHECK(v_cache.scalar_type() == at::kFloat8_e4m3fn, "k_cache and v_cache must share a dtype");
@@ -258,7 +283,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                   block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                                   out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
                                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-                                  out.stride(1), static_cast<float>(scale), window, static_cast<float>(softcap));
+                                  out.stride(1), static_cast<float>(scale), window, static_cast<float>(softcap),
+                                  sink_ptr);
     });
     return out;
   }
@@ -268,7 +294,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                             block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
                             out.data_ptr<scalar_t>(), S, Hq, Hk, D, BS, MB, q.stride(0), q.stride(1),
                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-                            out.stride(1), static_cast<float>(scale), window, static_cast<float>(softcap));
+                            out.stride(1), static_cast<float>(scale), window, static_cast<float>(softcap),
+                            sink_ptr);
   });
   return out;
 }
@@ -301,7 +328,7 @@ bool prefill_bf16_supported(int64_t head_dim);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("set_amx_enabled", &set_amx_enabled, "allow the AMX decode path (returns the previous setting)");
   m.def("amx_decode_usable", &amx_decode_usable, "whether the AMX path takes (group, head_dim, block_size) now");
   m.def("decode_bf16_usable", &decode_bf16_usable, "whether the AVX512-BF16 decode path takes (group, head_dim, kv_heads)");

@@ -22,13 +22,16 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// In place: sc[t] = exp(sc[t] - max); returns 1 / sum.
-static inline float softmax_unnormalised(float* sc, int64_t L) {
+// In place: sc[t] = exp(sc[t] - max); returns 1 / sum. `sink` (gpt-oss; nullptr: none): a logit that
+// joins the max and the sum but gets no slot, so the probabilities it leaves sum to less than 1. A pointer,
+// not -inf for none: -ffast-math lets the compiler assume no infinities.
+static inline float softmax_unnormalised(float* sc, int64_t L, const float* sink = nullptr) {
   __m512 vm = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
   for (; t + 16 <= L; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + t));
   float m = _mm512_reduce_max_ps(vm);
   for (; t < L; ++t) m = std::max(m, sc[t]);
+  if (sink) m = std::max(m, *sink);
   const __m512 mv = _mm512_set1_ps(m);
   __m512 vs = _mm512_setzero_ps();
   for (t = 0; t + 16 <= L; t += 16) {
@@ -42,6 +45,8 @@ static inline float softmax_unnormalised(float* sc, int64_t L) {
     _mm512_mask_storeu_ps(sc + t, k, e);
     vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(k, e));
   }
-  return 1.f / _mm512_reduce_add_ps(vs);
+  float total = _mm512_reduce_add_ps(vs);
+  if (sink) total += std::exp(*sink - m);
+  return 1.f / total;
 }
 #endif

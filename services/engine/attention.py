@@ -14,8 +14,10 @@ CPU):
 - `reference`: the PyTorch references (kernels.reference), on any device: the specification. They read
   index tensors on the host (a sync per call on CUDA), so they are never captured in a CUDA graph.
 
-Every backend takes a layer's options the same way: its sliding `window` (None: full attention) and
-the model's attention-logit `softcap` (None: none), besides the scale.
+Every backend takes a layer's options the same way: its sliding `window` (None: full attention), the
+model's attention-logit `softcap` (None: none) and its attention `sinks` (gpt-oss: a float32 logit per
+query head on the device, which joins the softmax's denominator and adds no value; None: none), besides
+the scale. All three combine, with each other and with GQA and an FP8 cache.
 """
 
 from __future__ import annotations
@@ -157,16 +159,18 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                  kv_scales: tuple[float, float] | None = None, window: int | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] (new tokens) -> [T, Hq, D]. `kv_scales`: an FP8 cache's per-tensor
-        (k_scale, v_scale) (services/engine/kv_cache_fp8.py); `window`, `softcap`: the layer's sliding window
-        and attention-logit soft-cap."""
+        (k_scale, v_scale) (services/engine/kv_cache_fp8.py); `window`, `softcap`, `sinks`: the layer's sliding
+        window, attention-logit soft-cap and per-query-head sink logits ([Hq] float32, kernels.reference)."""
         # Only options that are set are passed on: the common call stays the plain one.
         options = {}
         if window is not None:
             options["window"] = window
         if softcap is not None:
             options["softcap"] = softcap
+        if sinks is not None:
+            options["sinks"] = sinks
         if kv_scales is not None:
             return attend_fp8(functools.partial(self._attend, **options), q, k, v, k_cache, v_cache, meta, scale,
                               kv_scales)

@@ -29,7 +29,9 @@ def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def attend_fp8(attend, q, k, v, k_cache, v_cache, meta, scale: float, kv_scales: tuple[float, float]):
     """`attend(q, k, v, k_cache, v_cache, meta, scale)` over an FP8 cache: new keys and values rounded to
-    e4m3 (written to the cache and handed to the prefill as the same raw values), scales applied outside."""
+    e4m3 (written to the cache and handed to the prefill as the same raw values), scales applied outside.
+    The layer's options (window, softcap, sinks) come bound into `attend`; a sink is a logit of its own, not
+    a q.k product, so k_scale leaves it alone, and it adds no value, so v_scale's product still holds."""
     assert k_cache.dtype == FP8, k_cache.dtype
     k_scale, v_scale = kv_scales
     kq, vq = to_fp8(k, k_scale), to_fp8(v, v_scale)
