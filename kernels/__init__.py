@@ -4,6 +4,8 @@ the CPU (kernels.cpu) and PyTorch references that specify them all.
 Public API: write_kv, decode_attention, prefill_attention and their *_ref twins, same signatures. The
 engine's attention backend (services/engine/attention.py) picks Triton on CUDA and kernels.cpu on the
 CPU; the references are the fallback when the C++ kernels cannot be built, and what tests judge by.
+Mixture-of-experts: fused_experts (Triton), fused_experts_cpu (+ pack_experts_cpu) and fused_experts_ref,
+same leading signature; group_by_expert / align_block_size, the grouping they share.
 
 Importing this package imports neither Triton nor torch: the engine imports it on CPU-only machines,
 Triton must see TRITON_INTERPRET before its kernels are defined, and torch-free processes (router,
@@ -21,11 +23,17 @@ if TYPE_CHECKING:
     import torch
 
 _REFERENCES = ("decode_attention_ref", "prefill_attention_ref", "write_kv_ref")
+# Torch-only MoE entry points (no Triton), loaded on first use like the references.
+_MOE = {"fused_experts_ref": "moe_reference", "moe_activation": "moe_reference",
+        "fused_experts_cpu": "moe_cpu", "pack_experts_cpu": "moe_cpu",
+        "group_by_expert": "moe_align", "align_block_size": "moe_align"}
 
 
 def __getattr__(name: str):
     if name in _REFERENCES:
         return getattr(importlib.import_module("kernels.reference"), name)
+    if name in _MOE:
+        return getattr(importlib.import_module(f"kernels.{_MOE[name]}"), name)
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")
 
 
@@ -86,7 +94,23 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   softcap=softcap, sinks=sinks)
 
 
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, activation: str = "silu", *, b_gate_up: torch.Tensor | None = None,
+                  b_down: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,  # moe_reference's
+                  alignment=None, ids_checked: bool = False) -> torch.Tensor:
+    """A MoE layer's experts on Triton: `[T, H]`, see `fused_experts_ref` (layouts in kernels.moe_reference).
+
+    `alignment`: this call's `align_block_size(topk_ids, E, block_m)` if the caller made it;
+    `ids_checked=True`: the caller checked the expert ids, so nothing is read back from the device.
+    On the CPU use `fused_experts_cpu`.
+    """
+    launch = _launcher("triton_fused_moe", "fused_experts")
+    return launch(x, w_gate_up, w_down, topk_ids, topk_weights, activation, b_gate_up=b_gate_up, b_down=b_down,
+                  alpha=alpha, limit=limit, alignment=alignment, ids_checked=ids_checked)
+
+
 __all__ = [
-    "decode_attention", "decode_attention_ref", "prefill_attention", "prefill_attention_ref",
-    "triton_available", "write_kv", "write_kv_ref",
+    "align_block_size", "decode_attention", "decode_attention_ref", "fused_experts", "fused_experts_cpu",
+    "fused_experts_ref", "group_by_expert", "moe_activation", "pack_experts_cpu", "prefill_attention",
+    "prefill_attention_ref", "triton_available", "write_kv", "write_kv_ref",
 ]

@@ -51,6 +51,22 @@ def amx_in_use() -> bool:
     return mod is not None and mod.amx_available() and os.environ.get("PAGEDSERVE_CPU_AMX", "1") != "0"
 
 
+def bf16_gemm_choice() -> str:
+    """Which bfloat16 GEMM the CPU linears use here: "avx512" (`bf16_gemm`, pagedserve's kernel) or
+    "onednn". The rule of services/engine/linear.py's cpu_gemm_choice (the dense layers), kept here too so
+    that kernels (the MoE experts, kernels.moe_cpu) take the same path without importing services:
+    PAGEDSERVE_CPU_GEMM=onednn|avx512 forces one; otherwise ours where it is built and AMX is not in use."""
+    forced = os.environ.get("PAGEDSERVE_CPU_GEMM", "auto")
+    if forced not in ("auto", "onednn", "avx512"):
+        raise ValueError(f"PAGEDSERVE_CPU_GEMM={forced!r}: expected auto, onednn or avx512")
+    mod = load()
+    if forced == "onednn" or mod is None or not mod.bf16_gemm_supported():
+        return "onednn"
+    if forced == "avx512":
+        return "avx512"
+    return "onednn" if amx_in_use() else "avx512"
+
+
 def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float, *,
                          window: int | None = None, softcap: float | None = None, sinks=None):
     """`window`, `softcap`, `sinks`: as in kernels.reference (the C++ kernel's generic path takes all three;
