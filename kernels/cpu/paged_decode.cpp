@@ -73,10 +73,6 @@ static inline void softmax_values(const T* vc, const int32_t* table, int64_t t0,
 }
 #endif
 
-// Defined below with the scalar helpers; declared first because attend_group_regs calls it with
-// non-dependent arguments, which GCC resolves where the template is defined (GCC 12 refused the build).
-static inline void cap_scores(float* scores, int64_t n, float cap);
-
 #if defined(__AVX512F__)
 // Register-resident variant for small groups (G query heads x C 16-lane chunks <= 16 registers): the
 // queries and the output accumulators never leave registers. SmolLM2 (G=3, D=64) and most GQA models

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from services.engine.kv_cache_fp8 import read_kv_scales
 from services.engine.layers.rotary import rope_note
 from services.engine.models.decoder import DecoderModel
+from services.engine.models.expert_weights import read_mla, read_moe
 from services.engine.models.registry import MODULE_PATH, ModelChoice, choose_model, read_spec
 from services.engine.models.spec import DecoderSpec, UnsupportedModelError
 from services.engine.quant.formats.gguf_tensors import GgufCheckpoint
@@ -93,6 +94,14 @@ class Checkpoint:
             if cols is None:
                 return part[rows[0]:rows[1]]
             return part[:, cols[0]:cols[1]]
+
+    def read_part(self, name: str, index: tuple) -> torch.Tensor:
+        """A slice of a tensor of any rank, e.g. (slice(None), slice(a, b)) (bytes outside are never read)."""
+        if name not in self.where:
+            raise KeyError(f"weight {name!r} missing from {self.model_dir}")
+        path, full = self.where[name]
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_slice(full)[index]
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -164,19 +173,28 @@ class _LayerReader:
         if self.quantized is not None:
             out.update(self._packed(p))
         else:
-            o_name = p + "self_attn.o_proj.weight"
-            out.update(qkv=put(self.qkv(p, "weight")), o=put(read(o_name, cols=self.q)),
-                       gate_up=put(self.gate_up(p, "weight")),
-                       down=put(read(p + "mlp.down_proj.weight", cols=self.mlp)))
+            if spec.mla is not None:
+                out.update(read_mla(self.ckpt, p, spec, self.shard, put))
+            else:
+                out.update(qkv=put(self.qkv(p, "weight")), o=put(read(p + "self_attn.o_proj.weight", cols=self.q)))
+            if i in spec.moe_layers:
+                out.update(read_moe(self.ckpt, p, spec, self.shard, put))
+            else:
+                out.update(gate_up=put(self.gate_up(p, "weight")),
+                           down=put(read(p + "mlp.down_proj.weight", cols=self.mlp)))
+        if spec.attention_sinks:  # per query head, kept in float32 as the kernels read them
+            heads = (0, spec.num_heads) if self.shard is None else (
+                self.shard.head_start, self.shard.head_start + self.shard.num_heads)
+            out["sinks"] = read(p + "self_attn.sinks", heads).to(device=out["input_norm"].device, dtype=torch.float32)
         if spec.qkv_bias:
             out["qkv_bias"] = put(self.qkv(p, "bias"))
-        if spec.mlp_bias:
+        if spec.mlp_bias and i not in spec.moe_layers:
             out["gate_up_bias"] = put(self.gate_up(p, "bias"))
         # A row-parallel layer's bias is added once: by rank 0, before the partial outputs are summed.
         if self.first_rank:
             if spec.o_bias:
                 out["o_bias"] = put(read(p + "self_attn.o_proj.bias"))
-            if spec.mlp_bias:
+            if spec.mlp_bias and i not in spec.moe_layers:
                 out["down_bias"] = put(read(p + "mlp.down_proj.bias"))
         return out
 
@@ -190,6 +208,10 @@ def load_decoder(choice: ModelChoice, model_dir: Path, dtype: torch.dtype, devic
     shard = plan_shard(spec, group)
     ckpt = GgufCheckpoint(gguf) if gguf is not None else Checkpoint(model_dir)
     quantized = None if scheme is None and gguf is None else QuantizedCheckpoint(ckpt, scheme, device, dtype)
+    if quantized is not None and (spec.moe is not None or spec.mla is not None):
+        raise UnsupportedModelError(f"{spec.architecture}: a quantized checkpoint of a mixture-of-experts or latent-"
+                                    "attention model is not served yet (its experts and latent projections are read "
+                                    "unquantized only)")
     whole = shard is None
 
     def put(x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +281,9 @@ def random_model(hf_cfg: dict, dtype: torch.dtype, device: torch.device, attenti
     """A model of `hf_cfg`'s shapes with random weights drawn on the device (no download, no disk); with
     `group`, this rank's shard's shapes."""
     c = model_spec(hf_cfg)
+    if c.moe is not None or c.mla is not None:
+        raise UnsupportedModelError(f"{c.architecture}: random weights are drawn for dense models only; save a random "
+                                    "checkpoint with transformers' own classes and pass its directory")
     shard = plan_shard(c, group)
     gen = torch.Generator(device=device).manual_seed(seed + (0 if shard is None else shard.rank))
     # RANDOM_DRAW_DTYPE in the config: draw the values in that dtype, then hold them in `dtype`. A float32

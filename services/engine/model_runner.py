@@ -151,6 +151,10 @@ class ModelRunner:
         if self.model_path != MODULE_PATH and config.max_loras:
             raise ValueError(f"{cfg_name(self.model)} runs on the transformers path, which serves no LoRA adapters: "
                              "start without --max-loras")
+        spec = self.model.config
+        if config.max_loras and (getattr(spec, "moe", None) is not None or getattr(spec, "mla", None) is not None):
+            raise ValueError(f"max_loras: {cfg_name(self.model)} has expert layers or latent attention, whose "
+                             "projections LoRA adapters do not reach yet: start without --max-loras")
         if group is not None:
             group.connect()  # every rank has its shard by now
         cfg = self.model.config
@@ -162,8 +166,13 @@ class ModelRunner:
         self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
         self._check_model_path_options(config, plan)
         self.model.kv_scales = self._kv_scales(config.kv_cache_dtype)
-        per_block = (2 * plan.group_size * block_size * self.model.num_kv_heads * cfg.head_dim
+        # A latent-attention model (MLA) caches one tensor per layer, read as keys and values alike.
+        kv_tensors = 1 if getattr(self.model, "kv_latent", False) else 2
+        per_block = (kv_tensors * plan.group_size * block_size * self.model.num_kv_heads * cfg.head_dim
                      * self.cache_dtype.itemsize)
+        # What one token costs in every layer's cache, on this rank (the MLA tests read it).
+        self.kv_bytes_per_token = kv_tensors * cfg.num_layers * self.model.num_kv_heads * cfg.head_dim * \
+            self.cache_dtype.itemsize
         # Speculative decoding's draft model: its own KV cache over the same block ids (sized together).
         self.drafter = self._load_drafter(backend)
         if self.drafter is not None:
@@ -173,7 +182,7 @@ class ModelRunner:
         # One allocation for every layer's keys and values, so that on the CPU it can be backed by huge
         # pages (random block reads thrash the TLB with 4 KiB pages). Zero-filled, not empty: padding
         # slots are read (and masked) by batched attention, and uninitialised memory may hold NaNs.
-        arena_shape = (plan.group_size, 2, *shape)
+        arena_shape = (plan.group_size, kv_tensors, *shape)
         try:
             self.arena = torch.empty(arena_shape, dtype=self.cache_dtype, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory, on the CPU as on CUDA
@@ -184,7 +193,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             advise_huge_pages(self.arena)
         self.arena.zero_()
-        self.kv_caches = [(self.arena[s, 0], self.arena[s, 1]) for s in plan.layer_slot]
+        self.kv_caches = [(self.arena[s, 0], self.arena[s, kv_tensors - 1]) for s in plan.layer_slot]
         self.max_model_len = self.model.max_model_len
         self.memory = [RankMemory(0 if group is None else group.rank, self.model.weight_bytes,
                                   self.arena.numel() * self.arena.element_size(), start_bytes)]
@@ -259,6 +268,9 @@ class ModelRunner:
     def _check_model_path_options(self, config: EngineConfig, plan) -> None:
         """What runs only on a family module's model with one KV group, refused by name elsewhere."""
         spec = config.speculative
+        if getattr(self.model, "kv_latent", False) and self.cache_dtype == torch.float8_e4m3fn:
+            raise ValueError(f"kv_cache_dtype: {cfg_name(self.model)} caches latent attention entries, which have no "
+                             "FP8 scales yet: use --kv-cache-dtype auto")
         if self.model_path != MODULE_PATH:
             if self.cache_dtype == torch.float8_e4m3fn:
                 raise ValueError(f"kv_cache_dtype: {cfg_name(self.model)} runs on the transformers path, whose "
@@ -330,6 +342,11 @@ class ModelRunner:
         attention = self.model.attn
         if self.model_path != MODULE_PATH:
             return None  # transformers' module tree runs eagerly
+        if self.model.config.moe is not None:
+            # The CPU expert path sizes its GEMMs from each step's routing (read on the host); CUDA graphs
+            # would need the Triton kernel's worst-case padding in every captured size. Eager for now.
+            log.info("no CUDA graphs: mixture-of-experts layers run eagerly")
+            return None
         if capture is None:
             if self.device.type != "cuda":
                 return None

@@ -48,6 +48,8 @@ TINY_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     # No module of their own: the transformers backend serves them.
     "olmo": ("OlmoConfig", "OlmoForCausalLM"), "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
 }

@@ -3,7 +3,8 @@
 - Llama order (Llama, Mistral, Qwen2/3, Phi-3): normalise in float32, cast back to the model's dtype,
   then multiply by the weight in that dtype (transformers' LlamaRMSNorm).
 - Gemma order: normalise in float32 and multiply by `(1 + w)` in float32 before casting back
-  (Gemma2RMSNorm / Gemma3RMSNorm, whose stored weight is the offset from one).
+  (Gemma2RMSNorm / Gemma3RMSNorm, whose stored weight is the offset from one); gpt-oss multiplies by w
+  itself in float32 (GptOssRMSNorm).
 
 `RMSNorm` holds what a forward needs: the weight already as the multiplier (`1 + w` precomputed in
 float32 for Gemma), the epsilon and the order, so no branch on the family runs per call.
@@ -34,10 +35,11 @@ class RMSNorm:
 
     __slots__ = ("weight", "eps", "float_weight")
 
-    def __init__(self, weight: torch.Tensor, eps: float, offset_one: bool = False):
+    def __init__(self, weight: torch.Tensor, eps: float, offset_one: bool = False, float_product: bool = False):
         self.eps = eps
-        self.float_weight = offset_one
-        self.weight = (1.0 + weight.float()) if offset_one else weight
+        # gpt-oss: `(w * normalised(x)).to(dtype)` with the product in float32, as Gemma's but without the offset.
+        self.float_weight = offset_one or float_product
+        self.weight = (1.0 + weight.float()) if offset_one else weight.float() if float_product else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_weight:

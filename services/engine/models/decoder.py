@@ -19,6 +19,7 @@ the forward so a CUDA graph never captures a gather). Without a group no collect
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from services.engine.attention import AttentionMetadata, PagedAttention
 from services.engine.kv_groups import plan_kv_groups
 from services.engine.layers.activations import gated
+from services.engine.layers.mla import MlaAttention
+from services.engine.layers.moe import ExpertLayer
 from services.engine.layers.norms import RMSNorm
 from services.engine.layers.rotary import RotaryEmbedding
 from services.engine.linear import make_linear_factory
@@ -50,19 +53,29 @@ class DecoderLayer:
     """One layer's weights, as callables, and its attention settings."""
 
     __slots__ = ("input_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm", "qkv", "o",
-                 "gate_up", "down", "rope", "window", "kv_group")
+                 "gate_up", "down", "rope", "window", "kv_group", "mla", "moe", "sinks")
 
-    def __init__(self, w: dict, spec: DecoderSpec, linear, rope: RotaryEmbedding, window: int | None, kv_group: int):
-        eps, offset = spec.rms_norm_eps, spec.norm_offset_one
+    def __init__(self, w: dict, spec: DecoderSpec, linear, rope: RotaryEmbedding, window: int | None, kv_group: int,
+                 heads: int):
+        eps, offset, product = spec.rms_norm_eps, spec.norm_offset_one, spec.norm_float_product
 
         def norm(role: str) -> RMSNorm | None:
-            return RMSNorm(w[role], eps, offset) if role in w else None
+            return RMSNorm(w[role], eps, offset, product) if role in w else None
 
         self.input_norm, self.mlp_norm = norm("input_norm"), norm("mlp_norm")
         self.attn_out_norm, self.mlp_out_norm = norm("attn_out_norm"), norm("mlp_out_norm")
         self.q_norm, self.k_norm = norm("q_norm"), norm("k_norm")
-        self.qkv, self.o = linear(w["qkv"], w.get("qkv_bias")), linear(w["o"], w.get("o_bias"))
-        self.gate_up, self.down = linear(w["gate_up"], w.get("gate_up_bias")), linear(w["down"], w.get("down_bias"))
+        # Latent attention (DeepSeek) in place of the fused Q/K/V; an expert layer in place of the dense MLP.
+        self.mla = MlaAttention(w, spec.mla, heads, linear) if "kv_a" in w else None
+        self.qkv = self.o = None
+        if self.mla is None:
+            self.qkv, self.o = linear(w["qkv"], w.get("qkv_bias")), linear(w["o"], w.get("o_bias"))
+        self.moe = ExpertLayer(w, spec.moe, linear) if "router" in w else None
+        self.gate_up = self.down = None
+        if self.moe is None:
+            self.gate_up = linear(w["gate_up"], w.get("gate_up_bias"))
+            self.down = linear(w["down"], w.get("down_bias"))
+        self.sinks = w.get("sinks")  # gpt-oss: [heads] float32
         self.rope, self.window, self.kv_group = rope, window, kv_group
 
 
@@ -103,9 +116,9 @@ class DecoderModel:
         for w, attn, window, g in zip(weights["layers"], c.layers, windows, self.kv_plan.layer_group, strict=True):
             if attn.rope not in ropes:
                 ropes[attn.rope] = RotaryEmbedding(attn.rope, self.max_model_len, device)
-            self.layers.append(DecoderLayer(w, c, linear, ropes[attn.rope], window, g))
+            self.layers.append(DecoderLayer(w, c, linear, ropes[attn.rope], window, g, self.num_heads))
         self.ropes = list(ropes.values())
-        self.norm = RMSNorm(weights["norm"], c.rms_norm_eps, c.norm_offset_one)
+        self.norm = RMSNorm(weights["norm"], c.rms_norm_eps, c.norm_offset_one, c.norm_float_product)
         self.lm_head = linear(weights["lm_head"])
         self.final_softcap = c.final_logit_softcap
         # The plain output embedding: the sampler rescores half-precision near-ties of greedy rows with
@@ -130,10 +143,12 @@ class DecoderModel:
             from kernels.cpu import load
 
             self.fused = load()
-        self.fused_norms = self.fused is not None and not c.norm_offset_one
+        self.fused_norms = self.fused is not None and not c.norm_offset_one and not c.norm_float_product
         self.fused_silu = self.fused is not None and c.hidden_act in ("silu", "swish")
         # The fused RoPE rotates q and k inside the qkv buffer: not when they are normalised first.
-        self.fused_rope = self.fused is not None and not c.qk_norm
+        self.fused_rope = self.fused is not None and not c.qk_norm and c.mla is None
+        # MLA caches one latent per token, read as both keys and values: one cache tensor per layer.
+        self.kv_latent = c.mla is not None
 
     def _pre_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm):
         """(h + delta, norm(h + delta)); the fused kernel adds in place."""
@@ -150,13 +165,10 @@ class DecoderModel:
         `metas[g]`: the step's attention metadata for KV group g. `lora`: the step's adapter tokens, whose
         projections get their adapter's delta added."""
         c = self.config
-        D = c.head_dim
         reduce = None if self.group is None else self.group.all_reduce
-        heads, kv_heads = self.num_heads, self.num_kv_heads
         h = embed_tokens(self.embed, input_ids, self.dtype) if reduce is None else self._embed_shard(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        T = h.shape[0]
         last = len(self.layers) - 1
         # With a norm on the MLP's output the last layer's partial sums must be reduced before it.
         defer_last_reduce = reduce is not None and self.layers[-1].mlp_out_norm is None
@@ -166,40 +178,29 @@ class DecoderModel:
             h, x = self._pre_norm(h, delta, layer.input_norm)
             if i in self.aux_layers:
                 aux[i] = h.clone()  # h is updated in place by the fused kernels
-            qkv = layer.qkv(x)
-            if lora is not None:
-                lora.apply(i, "qkv", x, qkv)
-            if self.fused_rope:
-                rope = layer.rope
-                self.fused.rope_inplace(qkv, positions, rope.cos, rope.sin, heads + kv_heads, D, rope.rotary_dim)
-                q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-                q, k = q.view(T, heads, D), k.view(T, kv_heads, D)
+            if layer.mla is not None:
+                # The one latent cache tensor is read as keys and values.
+                attend = functools.partial(self._attend_latent, cache=k_cache, meta=metas[layer.kv_group],
+                                           kv_scales=None if self.kv_scales is None else self.kv_scales[i],
+                                           window=layer.window)
+                delta = layer.mla(x, positions, layer.rope, attend)
             else:
-                q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-                q, k = q.view(T, heads, D), k.view(T, kv_heads, D)
-                if layer.q_norm is not None:
-                    q, k = layer.q_norm(q), layer.k_norm(k)
-                q, k = layer.rope(positions, q, k)
-            v = v.view(T, kv_heads, D)
-            o = self.attn(q, k, v, k_cache, v_cache, metas[layer.kv_group], self.scale,
-                          None if self.kv_scales is None else self.kv_scales[i], window=layer.window,
-                          softcap=self.softcap)
-            o = o.reshape(T, self.q_size)
-            delta = layer.o(o)
-            if lora is not None:
-                lora.apply(i, "o", o, delta)
+                delta = self._attention(i, layer, x, positions, metas, k_cache, v_cache, lora)
             if reduce is not None:
                 reduce(delta)
             if layer.attn_out_norm is not None:
                 delta = layer.attn_out_norm(delta)
             h, x = self._pre_norm(h, delta, layer.mlp_norm)
-            gate_up = layer.gate_up(x)
-            if lora is not None:
-                lora.apply(i, "gate_up", x, gate_up)
-            act = self.fused.silu_mul(gate_up) if self.fused_silu else gated(c.hidden_act, gate_up)
-            delta = layer.down(act)
-            if lora is not None:
-                lora.apply(i, "down", act, delta)
+            if layer.moe is not None:
+                delta = layer.moe(x)
+            else:
+                gate_up = layer.gate_up(x)
+                if lora is not None:
+                    lora.apply(i, "gate_up", x, gate_up)
+                act = self.fused.silu_mul(gate_up) if self.fused_silu else gated(c.hidden_act, gate_up)
+                delta = layer.down(act)
+                if lora is not None:
+                    lora.apply(i, "down", act, delta)
             if reduce is not None and not (i == last and defer_last_reduce):
                 reduce(delta)
             if layer.mlp_out_norm is not None:
@@ -216,6 +217,39 @@ class DecoderModel:
             cap = self.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits, hidden
+
+    def _attend_latent(self, q, kv, *, cache, meta, kv_scales, window):
+        return self.attn(q, kv, kv, cache, cache, meta, self.scale, kv_scales, window=window, softcap=self.softcap)
+
+    def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, metas, k_cache,
+                   v_cache, lora) -> torch.Tensor:
+        """Q/K/V, RoPE, paged attention and o_proj of layer i (before the tensor-parallel reduce)."""
+        T, D = x.shape[0], self.config.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = layer.qkv(x)
+        if lora is not None:
+            lora.apply(i, "qkv", x, qkv)
+        if self.fused_rope:
+            rope = layer.rope
+            self.fused.rope_inplace(qkv, positions, rope.cos, rope.sin, heads + kv_heads, D, rope.rotary_dim)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q, k = q.view(T, heads, D), k.view(T, kv_heads, D)
+        else:
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q, k = q.view(T, heads, D), k.view(T, kv_heads, D)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = layer.rope(positions, q, k)
+        v = v.view(T, kv_heads, D)
+        options = {} if layer.sinks is None else {"sinks": layer.sinks}
+        o = self.attn(q, k, v, k_cache, v_cache, metas[layer.kv_group], self.scale,
+                      None if self.kv_scales is None else self.kv_scales[i], window=layer.window,
+                      softcap=self.softcap, **options)
+        o = o.reshape(T, self.q_size)
+        delta = layer.o(o)
+        if lora is not None:
+            lora.apply(i, "o", o, delta)
+        return delta
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel embedding: this rank's rows where it holds the token, zeros elsewhere, summed."""

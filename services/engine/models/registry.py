@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from services.engine.models import gemma, llama, phi3, qwen3
+from services.engine.models import deepseek_v3, gemma, gpt_oss, llama, moe_families, phi3, qwen3
 from services.engine.models.choice import MODULE_PATH, ModelChoice
 from services.engine.models.family import Family
 from services.engine.models.hf_config import parse_config
@@ -17,7 +17,8 @@ from services.engine.quant.scheme import QuantizationConfigError, parse_quantiza
 
 log = logging.getLogger(__name__)
 
-FAMILIES: dict[str, Family] = {f.architecture: f for module in (llama, qwen3, gemma, phi3) for f in module.FAMILIES}
+FAMILIES: dict[str, Family] = {f.architecture: f for module in (llama, qwen3, gemma, phi3, moe_families, deepseek_v3,
+                                                                 gpt_oss) for f in module.FAMILIES}
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # a config.json without `architectures` (older Llama exports)
 
 def architectures_of(raw: dict) -> list[str]:
