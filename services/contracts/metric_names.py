@@ -34,6 +34,10 @@ SPEC_DECODE_METRICS = frozenset({SPEC_DECODE_NUM_DRAFTS, SPEC_DECODE_NUM_DRAFT_T
                                  SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS})
 # gauge: the step size (tokens) at which a forward pass is measured to turn compute-bound; speculation
 # turns down as a step approaches and passes it (services/scheduler/spec_decode/policy.py)
+# A mixture-of-experts model's routing (issue 31), label `expert`: tokens routed to each expert, summed over
+# its expert layers (one series per expert, not per layer and expert: 60 layers x 256 experts would be 15k
+# series per replica). Imbalance = max / mean of the rates. Exported only by replicas serving experts.
+MOE_EXPERT_TOKENS = "pagedserve_moe_expert_tokens_total"
 SPEC_DECODE_KNEE_TOKENS = "pagedserve_spec_decode_knee_tokens"
 # Structured output (counters): compile time per compile = compile_seconds / compiles; mask time per step =
 # mask_seconds / mask_steps; constrained share of rows = constrained_rows / sampled_rows.

@@ -155,19 +155,24 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # The draft model's proposals for the next step, for sequences scheduled with propose_draft_tokens.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A mixture-of-experts model: tokens routed to each expert in this step, summed over its expert layers
+    # (empty for a dense model). The scheduler exports the running sums, so imbalance is visible.
+    expert_tokens: list[int] = field(default_factory=list)
 
     def to_wire(self) -> dict:
         wire = {"step_id": self.step_id, "sampled": self.sampled,
                 "logprobs": {k: [_fields(x) for x in v] for k, v in self.logprobs.items()}}
         if self.draft_token_ids:
             wire["draft_token_ids"] = self.draft_token_ids
+        if self.expert_tokens:
+            wire["expert_tokens"] = self.expert_tokens
         return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> ModelRunnerOutput:
         lps = {k: [TokenLogprobs(**x) for x in v] for k, v in d.get("logprobs", {}).items()}
         return cls(step_id=d["step_id"], sampled=d["sampled"], logprobs=lps,
-                   draft_token_ids=d.get("draft_token_ids", {}))
+                   draft_token_ids=d.get("draft_token_ids", {}), expert_tokens=d.get("expert_tokens", []))
 
 
 @dataclass(slots=True)

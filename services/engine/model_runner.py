@@ -431,4 +431,6 @@ class ModelRunner:
                 commit_verified(result, step.drafts)
         if self.drafter is not None:
             self.drafter.follow(out, result, step)  # its KV follows the committed tokens; proposals where asked
+        if ran is not None and self.model_path == MODULE_PATH and self.model.config.moe is not None:
+            result.expert_tokens = self.model.take_expert_tokens()
         return result

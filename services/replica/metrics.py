@@ -49,6 +49,12 @@ class _StatsCollector:
             yield CounterMetricFamily(name, doc, value=value)
         if s.spec_decode is not None:
             yield from _spec_decode_families(s.spec_decode)
+        if s.expert_tokens:
+            experts = CounterMetricFamily(M.MOE_EXPERT_TOKENS, "tokens routed to each expert, over every expert "
+                                          "layer", labels=("expert",))
+            for e, n in enumerate(s.expert_tokens):
+                experts.add_metric((str(e),), n)
+            yield experts
         if s.max_loras:
             # vLLM's form: one series whose labels carry the state and whose value is when it was taken.
             info = GaugeMetricFamily(M.LORA_REQUESTS_INFO, "LoRA adapters of running and waiting requests",

@@ -85,6 +85,7 @@ class SchedulerCore:
         self.mask_steps = 0
         self.constrained_rows = 0
         self.sampled_rows = 0
+        self.expert_tokens: list[int] = []  # a mixture-of-experts engine's tokens per expert, since start
 
     def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
         """The scheduler's half of speculative decoding; a drafter in the engine must be the one configured."""
@@ -325,6 +326,9 @@ class SchedulerCore:
 
     def _apply(self, result: ModelRunnerOutput, changed: dict[str, RequestGroup]) -> None:
         sched = self.scheduler
+        if result.expert_tokens:
+            counts = self.expert_tokens or [0] * len(result.expert_tokens)
+            self.expert_tokens = [a + b for a, b in zip(counts, result.expert_tokens, strict=True)]
         sampled = result.sampled
         logprobs = result.logprobs
         beams: dict[str, RequestGroup] = {}
@@ -454,7 +458,8 @@ class SchedulerCore:
                                self.mask_seconds, self.constrained_rows, self.sampled_rows),
             max_loras=self.info.max_loras, running_loras=_lora_names(sched.running),
             waiting_loras=_lora_names(sched.waiting),
-            spec_decode=self.speculator.snapshot() if self.speculator is not None else None)
+            spec_decode=self.speculator.snapshot() if self.speculator is not None else None,
+            expert_tokens=tuple(self.expert_tokens))
 
     def _record_event(self, event: KVEvent) -> None:
         self._events.append(event)

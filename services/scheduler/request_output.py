@@ -62,3 +62,4 @@ class SchedulerStats:
     running_loras: tuple[str, ...] = ()  # names of the LoRA adapters of running requests
     waiting_loras: tuple[str, ...] = ()
     spec_decode: SpecDecodeStats | None = None  # None: no speculative decoding
+    expert_tokens: tuple[int, ...] = ()  # a mixture-of-experts model: tokens routed to each expert (all layers)

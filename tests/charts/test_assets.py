@@ -180,7 +180,7 @@ def test_the_services_metrics_endpoints_export_every_name_the_cluster_side_uses(
 
     # Every plain counter 1; nested stats (the structured-output counters) keep their own type, all ones too.
     # The adapter-name fields hold names, so vLLM's lora_requests_info series is exported too.
-    names = {"running_loras": ("sql",), "waiting_loras": ("chat",)}
+    names = {"running_loras": ("sql",), "waiting_loras": ("chat",), "expert_tokens": (3, 0)}
     # The speculative-decoding counters exist only with --speculative-config; they are set so their series count.
     from services.scheduler.spec_decode.speculator import SpecDecodeStats
     nested = {"guided", "spec_decode"}

@@ -251,6 +251,14 @@ class DecoderModel:
             lora.apply(i, "o", o, delta)
         return delta
 
+    def take_expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert since the last call, summed over the expert layers (then zeroed)."""
+        counters = [layer.moe.expert_tokens for layer in self.layers if layer.moe is not None]
+        total = torch.stack(counters).sum(0).tolist()
+        for c in counters:
+            c.zero_()
+        return total
+
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel embedding: this rank's rows where it holds the token, zeros elsewhere, summed."""
         lo, hi = self.shard.vocab_rows

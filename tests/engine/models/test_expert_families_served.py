@@ -1,0 +1,83 @@
+"""The mixture-of-experts and latent-attention families through `pagedserve serve` as a real process and
+the official openai client: transformers' greedy text, the per-expert routing counter on /metrics (every
+routed token counted once per expert layer and chosen expert), and MLA's KV bytes per token from the
+engine's own accounting against what the expanded keys and values would cost."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from services import LLM, SamplingParams
+from services.engine.parallel_state import RankGroupError
+from services.model_files.tokenizer import ModelTokenizer
+from tests.e2e.openai_checks import client, model_id
+from tests.e2e.test_serve import served
+from tests.engine.models.test_families import MAX_TOKENS, VARIANTS, tiny
+from tests.engine.test_tensor_parallel import _kill_after
+
+EXPERT_VARIANTS = ["mixtral-moe-window", "qwen3-moe-dense-first", "deepseek-v3-mla", "gpt-oss-sinks"]
+
+
+def expert_counts(metrics: str) -> dict[int, float]:
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("pagedserve_moe_expert_tokens_total{"):
+            label, value = line.split()
+            out[int(label.split('expert="')[1].split('"')[0])] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("name", EXPERT_VARIANTS)
+def test_served_with_the_openai_client_and_the_expert_counter(name, tmp_path_factory, hf_cache):
+    model_dir, prompts, want = tiny(name, tmp_path_factory, hf_cache)
+    tokenizer = ModelTokenizer(model_dir)
+    overrides = VARIANTS[name][1]
+    num_experts = overrides.get("num_local_experts") or overrides.get("num_experts") or overrides["n_routed_experts"]
+    top_k = overrides["num_experts_per_tok"]
+    with served(model_dir, "--block-size", "4", "--max-num-batched-tokens", "16") as url:
+        c = client(url)
+        computed = 0
+        for p, w in zip(prompts[:3], want[:3], strict=True):
+            r = c.completions.create(model=model_id(c), prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert r.choices[0].text == tokenizer.decode(w, True), f"{name}: diverged from transformers"
+            # Tokens through the forward: the prompt past its cached blocks, then one per generated token
+            # but the last (sampled, never fed back).
+            computed += len(p) - r.usage.prompt_tokens_details.cached_tokens + MAX_TOKENS - 1
+        counts = expert_counts(httpx.get(url + "/metrics", timeout=10).text)
+    assert sorted(counts) == list(range(num_experts)), counts
+    moe_layers = {"qwen3-moe-dense-first": 1, "deepseek-v3-mla": 1}.get(name, 2)
+    assert sum(counts.values()) == computed * top_k * moe_layers
+    assert max(counts.values()) < sum(counts.values()), "routing spread over more than one expert"
+
+
+def test_mla_caches_one_latent_per_token(tmp_path_factory, hf_cache):
+    model_dir, _, _ = tiny("deepseek-v3-mla", tmp_path_factory, hf_cache)
+    o = VARIANTS["deepseek-v3-mla"][1]
+    llm = LLM(model=str(model_dir), dtype="bfloat16", block_size=4, num_kv_blocks=64)
+    layers, heads = 2, 4
+    latent = layers * (o["kv_lora_rank"] + o["qk_rope_head_dim"]) * 2  # bytes, one bfloat16 entry per layer
+    expanded = layers * heads * (o["qk_rope_head_dim"] + o["qk_nope_head_dim"] + o["v_head_dim"]) * 2
+    assert llm.runner.kv_bytes_per_token == latent
+    assert llm.runner.arena.shape[1] == 1, "one cache tensor per layer: keys and values are the same entries"
+    assert llm.runner.arena[0, 0].nbytes == 64 * 4 * latent // layers
+    assert expanded / latent == pytest.approx(448 / 128)
+
+
+def test_a_rank_killed_while_experts_run_fails_the_call_clearly(tmp_path_factory, hf_cache):
+    """Experts split like dense MLPs end each layer in the same all-reduce: a rank lost mid-generation is
+    the group's clear error, every KV block comes back."""
+    model_dir, _, _ = tiny("qwen3-moe-dense-first", tmp_path_factory, hf_cache)
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    sent = _kill_after(llm, 3, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RankGroupError) as err:
+        llm.generate([list(range(100, 140))] * 3, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - started < 30
+    assert sent and str(err.value) == f"tensor-parallel group down: rank 1 (pid {sent[0]}) exited with code -9"
+    assert llm.core.pool.num_in_use == 0, "every KV block comes back"
+    llm.close()
