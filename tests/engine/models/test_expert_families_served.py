@@ -5,19 +5,15 @@ engine's own accounting against what the expanded keys and values would cost."""
 
 from __future__ import annotations
 
-import signal
-import time
-
 import httpx
 import pytest
 
-from services import LLM, SamplingParams
-from services.engine.parallel_state import RankGroupError
+from services import LLM
 from services.model_files.tokenizer import ModelTokenizer
 from tests.e2e.openai_checks import client, model_id
 from tests.e2e.test_serve import served
 from tests.engine.models.test_families import MAX_TOKENS, VARIANTS, tiny
-from tests.engine.test_tensor_parallel import _kill_after
+from tests.engine.test_tensor_parallel import check_rank_killed_fails_clearly
 
 EXPERT_VARIANTS = ["mixtral-moe-window", "qwen3-moe-dense-first", "deepseek-v3-mla", "gpt-oss-sinks"]
 
@@ -72,12 +68,5 @@ def test_a_rank_killed_while_experts_run_fails_the_call_clearly(tmp_path_factory
     """Experts split like dense MLPs end each layer in the same all-reduce: a rank lost mid-generation is
     the group's clear error, every KV block comes back."""
     model_dir, _, _ = tiny("qwen3-moe-dense-first", tmp_path_factory, hf_cache)
-    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    sent = _kill_after(llm, 3, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(RankGroupError) as err:
-        llm.generate([list(range(100, 140))] * 3, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - started < 30
-    assert sent and str(err.value) == f"tensor-parallel group down: rank 1 (pid {sent[0]}) exited with code -9"
-    assert llm.core.pool.num_in_use == 0, "every KV block comes back"
-    llm.close()
+    check_rank_killed_fails_clearly(LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64,
+                                        tensor_parallel_size=2))
