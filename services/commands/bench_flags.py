@@ -51,6 +51,10 @@ def add_bench(sub) -> None:
     t.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     t.set_defaults(handler="services.bench.offline.throughput:run",
                    flag_check="services.bench.offline.throughput:check_flags")
+    mc = bsub.add_parser("moe-checkpoints", help="write the random Qwen3-MoE checkpoint (64 experts, top 8) and the "
+                         "dense one of equal active parameters that the MoE throughput figures run")
+    mc.add_argument("--out", default=None, help="directory to write them in (default: pagedserve's cache)")
+    mc.set_defaults(handler="services.bench.offline.moe_checkpoints:run")
     gd = bsub.add_parser("guard", help="the default path's cost per step (scheduler with the null executor, engine "
                          "on a tiny model, W1 and W3 shapes) against references in the same run; exits 1 past a budget")
     gd.add_argument("--repeats", type=V.integer(1), default=5)
