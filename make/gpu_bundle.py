@@ -21,7 +21,7 @@ from pathlib import Path
 # running its dry run with an interpreter that holds only those (tests/device_check/test_gpu_bundle.py does).
 # The engine reads every config.json through transformers' own config classes (services/engine/models), so
 # transformers and what it imports at start come along (about 37 MiB in all).
-CHECK_REQUIREMENTS = ("numpy>=1.26", "xxhash>=3.4", "safetensors>=0.4", "transformers>=5,<6", "huggingface-hub",
+CHECK_REQUIREMENTS = ("numpy>=1.26", "xxhash>=3.4", "safetensors>=0.4", "transformers>=5,<5.25", "huggingface-hub",
                       "tokenizers", "regex", "pyyaml", "packaging", "tqdm", "httpx2", "httpcore2", "h11", "idna",
                       "truststore")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
