@@ -18,8 +18,9 @@ def test_no_installed_distribution_is_named_like_the_kernels_package():
 
 
 def test_transformers_imports_with_this_repositorys_kernels_on_the_path():
-    import kernels
     import transformers.activations  # the import that failed under transformers 5.25
+
+    import kernels
 
     assert kernels.__file__.endswith("kernels/__init__.py")
     assert transformers.activations.ACT2FN["silu"] is not None

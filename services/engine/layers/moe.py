@@ -99,13 +99,14 @@ class ExpertLayer:
     is); the shared experts' `shared_gate_up` [2S, H] and `shared_down` [H, S] as plain linears.
 
     On the CPU the experts are packed once for the dense layers' GEMM (kernels.pack_experts_cpu) and run
-    by kernels.fused_experts_cpu; on CUDA by the Triton grouped kernel (kernels.fused_experts).
+    by kernels.fused_experts_cpu; with `triton` (the Triton attention backend: CUDA, or the interpreter) by
+    the Triton grouped kernel (kernels.fused_experts).
     """
 
     __slots__ = ("spec", "router", "router_bias", "correction", "gate_up", "down", "gate_up_bias", "down_bias",
                  "packed", "shared_gate_up", "shared_down", "expert_tokens")
 
-    def __init__(self, w: dict, spec: MoeSpec, linear):
+    def __init__(self, w: dict, spec: MoeSpec, linear, triton: bool = False):
         import kernels
 
         self.spec = spec
@@ -115,7 +116,7 @@ class ExpertLayer:
         gate_up, down = w["experts_gate_up"], w["experts_down"]
         gate_up_bias, down_bias = w.get("experts_gate_up_bias"), w.get("experts_down_bias")
         self.packed = None
-        if gate_up.device.type == "cpu":  # only the packed copy is kept
+        if not triton:  # the CPU path: only the packed copy is kept
             self.packed = kernels.pack_experts_cpu(gate_up, down, gate_up_bias, down_bias)
             gate_up = down = gate_up_bias = down_bias = None
         self.gate_up, self.down, self.gate_up_bias, self.down_bias = gate_up, down, gate_up_bias, down_bias

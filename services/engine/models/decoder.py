@@ -56,7 +56,7 @@ class DecoderLayer:
                  "gate_up", "down", "rope", "window", "kv_group", "mla", "moe", "sinks")
 
     def __init__(self, w: dict, spec: DecoderSpec, linear, rope: RotaryEmbedding, window: int | None, kv_group: int,
-                 heads: int):
+                 heads: int, triton_experts: bool = False):
         eps, offset, product = spec.rms_norm_eps, spec.norm_offset_one, spec.norm_float_product
 
         def norm(role: str) -> RMSNorm | None:
@@ -70,7 +70,7 @@ class DecoderLayer:
         self.qkv = self.o = None
         if self.mla is None:
             self.qkv, self.o = linear(w["qkv"], w.get("qkv_bias")), linear(w["o"], w.get("o_bias"))
-        self.moe = ExpertLayer(w, spec.moe, linear) if "router" in w else None
+        self.moe = ExpertLayer(w, spec.moe, linear, triton_experts) if "router" in w else None
         self.gate_up = self.down = None
         if self.moe is None:
             self.gate_up = linear(w["gate_up"], w.get("gate_up_bias"))
@@ -112,11 +112,16 @@ class DecoderModel:
         windows = [a.window if a.window is not None and a.window < self.max_model_len else None for a in c.layers]
         self.kv_plan = plan_kv_groups(windows)
         ropes: dict = {}
+        self.attn = PagedAttention(attention_backend, device)
+        # Expert layers: Triton's grouped kernel on CUDA (whatever the attention backend) and where attention runs
+        # Triton on the CPU (the interpreter, in tests); the C++-backed CPU path otherwise.
+        triton_experts = self.attn.name == "triton" or device.type != "cpu"
         self.layers = []
         for w, attn, window, g in zip(weights["layers"], c.layers, windows, self.kv_plan.layer_group, strict=True):
             if attn.rope not in ropes:
                 ropes[attn.rope] = RotaryEmbedding(attn.rope, self.max_model_len, device)
-            self.layers.append(DecoderLayer(w, c, linear, ropes[attn.rope], window, g, self.num_heads))
+            self.layers.append(DecoderLayer(w, c, linear, ropes[attn.rope], window, g, self.num_heads,
+                                            triton_experts))
         self.ropes = list(ropes.values())
         self.norm = RMSNorm(weights["norm"], c.rms_norm_eps, c.norm_offset_one, c.norm_float_product)
         self.lm_head = linear(weights["lm_head"])
@@ -126,7 +131,6 @@ class DecoderModel:
         # A rank holds only part of it, and a packed head has no plain form: no rescoring then.
         head = weights["lm_head"]
         self.head_weight = head if group is None and isinstance(head, torch.Tensor) else None
-        self.attn = PagedAttention(attention_backend, device)
         # An FP8 KV cache's per-layer (k_scale, v_scale) (set by the model runner; None: the model's dtype),
         # and those the checkpoint carries (set by the loader).
         self.kv_scales: list[tuple[float, float]] | None = None

@@ -165,12 +165,16 @@ def test_two_ranks_match_transformers(name, tmp_path_factory, hf_cache):
 # windows, soft-caps and two KV groups, and the PyTorch references on several groups and partial rotary.
 @pytest.mark.parametrize("backend,name", [("triton", "gemma2-softcaps"), ("reference", "gemma3-local-global"),
                                           ("reference", "phi3-longrope-window"), ("reference", "gpt-oss-sinks"),
-                                          ("reference", "deepseek-v3-mla"), ("triton", "deepseek-v3-mla")])
+                                          ("reference", "deepseek-v3-mla"), ("triton", "deepseek-v3-mla"),
+                                          ("triton", "mixtral-moe-window")])
 def test_other_backends_match_transformers(backend, name, tmp_path_factory, hf_cache):
     model_dir, prompts, want = tiny(name, tmp_path_factory, hf_cache)
     llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
               attention_backend=backend, **VARIANTS[name][2])
     assert llm.runner.model.attn.name == backend
+    experts = [layer.moe for layer in llm.runner.model.layers if layer.moe is not None]
+    # Expert layers follow the backend: Triton's grouped kernel under the interpreter, else the CPU path.
+    assert all((e.packed is None) == (backend == "triton") for e in experts)
     run_and_check(f"{name} on {backend}", llm, prompts, want)
 
 
