@@ -34,6 +34,7 @@ from services.engine.load_memory import RankMemory, memory_in_use
 from services.engine.lora.adapters import LoraAdapters, check_step_slots
 from services.engine.lora.batch import LoraBatch
 from services.engine.model_loader import load_model, random_model, read_config
+from services.engine.model_options import check_lora_support, check_model_options
 from services.engine.models.registry import MODULE_PATH, choose_model
 from services.engine.parallel_state import RankGroup
 from services.engine.sampler import Sampler
@@ -79,10 +80,6 @@ def advise_huge_pages(t: torch.Tensor) -> None:
     end = (t.data_ptr() + t.numel() * t.element_size()) & ~(huge - 1)
     if end > start:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-
-
-def cfg_name(model) -> str:
-    return model.config.architecture
 
 
 def _describe_groups(plan) -> str:
@@ -148,13 +145,7 @@ class ModelRunner:
             self.model = random_model(hf_cfg, self.dtype, self.device, backend, group=group,
                                       max_model_len=config.max_model_len)
             model_id, eos = hf_cfg.get("_name_or_path", "random-weights"), []
-        if self.model_path != MODULE_PATH and config.max_loras:
-            raise ValueError(f"{cfg_name(self.model)} runs on the transformers path, which serves no LoRA adapters: "
-                             "start without --max-loras")
-        spec = self.model.config
-        if config.max_loras and (getattr(spec, "moe", None) is not None or getattr(spec, "mla", None) is not None):
-            raise ValueError(f"max_loras: {cfg_name(self.model)} has expert layers or latent attention, whose "
-                             "projections LoRA adapters do not reach yet: start without --max-loras")
+        check_lora_support(self.model, self.model_path, config)
         if group is not None:
             group.connect()  # every rank has its shard by now
         cfg = self.model.config
@@ -164,7 +155,7 @@ class ModelRunner:
         # holds its own KV heads: the same number of blocks fits on every rank. An FP8 cache's pool is sized
         # by its one-byte element: twice the blocks of a bfloat16 one.
         self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)
-        self._check_model_path_options(config, plan)
+        check_model_options(self.model, self.model_path, config, self.cache_dtype, plan)
         self.model.kv_scales = self._kv_scales(config.kv_cache_dtype)
         # A latent-attention model (MLA) caches one tensor per layer, read as keys and values alike.
         kv_tensors = 1 if getattr(self.model, "kv_latent", False) else 2
@@ -264,24 +255,6 @@ class ModelRunner:
         log.info("%s drafter %s: %d layers, proposes up to %d tokens per step", spec.method, drafter.model_dir,
                  drafter.config.num_layers, spec.num_speculative_tokens)
         return drafter
-
-    def _check_model_path_options(self, config: EngineConfig, plan) -> None:
-        """What runs only on a family module's model with one KV group, refused by name elsewhere."""
-        spec = config.speculative
-        if getattr(self.model, "kv_latent", False) and self.cache_dtype == torch.float8_e4m3fn:
-            raise ValueError(f"kv_cache_dtype: {cfg_name(self.model)} caches latent attention entries, which have no "
-                             "FP8 scales yet: use --kv-cache-dtype auto")
-        if self.model_path != MODULE_PATH:
-            if self.cache_dtype == torch.float8_e4m3fn:
-                raise ValueError(f"kv_cache_dtype: {cfg_name(self.model)} runs on the transformers path, whose "
-                                 "attention reads no FP8 KV cache scales: use --kv-cache-dtype auto")
-            if spec is not None and spec.method == "eagle3":
-                raise ValueError(f"speculative_config.method: eagle3 reads the target's hidden states, which "
-                                 f"{cfg_name(self.model)} on the transformers path does not keep")
-        if spec is not None and spec.proposer_in_engine and plan.num_groups > 1:
-            raise ValueError(f"speculative_config.method: {spec.method}'s KV cache follows one block table, and "
-                             f"this model's sliding-window layers use {plan.num_groups} KV groups; use the ngram "
-                             "method or no speculative decoding")
 
     def _kv_scales(self, kv_cache_dtype: str) -> list[tuple[float, float]] | None:
         found = getattr(self.model, "checkpoint_kv_scales", None)

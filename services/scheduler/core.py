@@ -35,7 +35,7 @@ from services.scheduler.request_output import GuidedStats, RequestOutput, Schedu
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sequence import Sequence, SequenceStatus
 from services.scheduler.serving_system import serving_system as get_serving_system
-from services.scheduler.spec_decode.speculator import SpecState, Speculator
+from services.scheduler.spec_decode.speculator import SpecState, speculator_for
 from services.scheduler.step_isolation import execute_isolating
 from services.structured_output.compiler import CompiledGrammar, GrammarCompiler
 from services.structured_output.guide import bitmask_bytes, compute_bitmasks
@@ -66,7 +66,8 @@ class SchedulerCore:
             self.info.num_kv_blocks, self.info.block_size, self.hash_seed, self.max_model_len,
             enable_prefix_caching, self._record_event if self._events is not None else None,
             [w or None for w in self.info.kv_group_windows])
-        self.speculator = self._speculator(SpeculativeConfig.parse(speculative_config))
+        self.speculator = speculator_for(SpeculativeConfig.parse(speculative_config), self.info, self.kv,
+                                         self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                                    system.batching, self.info.max_loras), self.kv, self.speculator)
         self.loras = LoraRegistry(executor, self.scheduler.loras)
@@ -86,30 +87,6 @@ class SchedulerCore:
         self.constrained_rows = 0
         self.sampled_rows = 0
         self.expert_tokens: list[int] = []  # a mixture-of-experts engine's tokens per expert, since start
-
-    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
-        """The scheduler's half of speculative decoding; a drafter in the engine must be the one configured."""
-        if config is None:
-            if self.info.draft_method:
-                raise ValueError(f"the engine runs a {self.info.draft_method} drafter but this scheduler has no "
-                                 f"speculative config: give both the same --speculative-config")
-            return None
-        if not getattr(self.kv, "supports_sharing", False) or not hasattr(self.kv, "trim"):
-            raise ValueError("speculative decoding needs the paged KV cache (serving system pagedserve)")
-        if len(self.info.kv_group_windows) > 1:
-            # Rejected drafts are trimmed from one block table; sliding-window groups' tables are not.
-            raise ValueError(f"speculative decoding is not implemented for models with sliding-window layers (this "
-                             f"model's KV groups have windows {self.info.kv_group_windows}): start without "
-                             "--speculative-config")
-        if config.proposer_in_engine and (self.info.draft_method != config.method
-                                          or self.info.max_draft_tokens < config.num_speculative_tokens):
-            raise ValueError(f"speculative_config.method {config.method!r} with {config.num_speculative_tokens} "
-                             f"tokens needs an engine started with the same config; this engine runs "
-                             f"{self.info.draft_method or 'no drafter'} ({self.info.max_draft_tokens} tokens)")
-        if not config.proposer_in_engine and self.info.draft_method:
-            raise ValueError(f"the engine runs a {self.info.draft_method} drafter but the scheduler's method is "
-                             f"{config.method!r}: give both the same --speculative-config")
-        return Speculator(config, frozenset(self.info.eos_token_ids), self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

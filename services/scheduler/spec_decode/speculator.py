@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.contracts.speculative_config import SpeculativeConfig
+from services.contracts.step_protocol import EngineInfo
 from services.scheduler.sequence import Sequence
 from services.scheduler.spec_decode.ngram import TokenBuffer, propose_ngram
 from services.scheduler.spec_decode.policy import AcceptanceRate, Candidate, StepCostModel, plan_drafts
@@ -170,3 +171,29 @@ class Speculator:
         s = self.stats
         return SpecDecodeStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                                list(s.num_accepted_tokens_per_pos), self.cost.knee)
+
+
+def speculator_for(config: SpeculativeConfig | None, info: EngineInfo, kv, max_model_len: int) -> Speculator | None:
+    """The scheduler's half of speculative decoding for this engine (`info`) and KV cache manager; a drafter
+    in the engine must be the one configured. ValueError naming what does not fit."""
+    if config is None:
+        if info.draft_method:
+            raise ValueError(f"the engine runs a {info.draft_method} drafter but this scheduler has no "
+                             f"speculative config: give both the same --speculative-config")
+        return None
+    if not getattr(kv, "supports_sharing", False) or not hasattr(kv, "trim"):
+        raise ValueError("speculative decoding needs the paged KV cache (serving system pagedserve)")
+    if len(info.kv_group_windows) > 1:
+        # Rejected drafts are trimmed from one block table; sliding-window groups' tables are not.
+        raise ValueError(f"speculative decoding is not implemented for models with sliding-window layers (this "
+                         f"model's KV groups have windows {info.kv_group_windows}): start without "
+                         "--speculative-config")
+    if config.proposer_in_engine and (info.draft_method != config.method
+                                      or info.max_draft_tokens < config.num_speculative_tokens):
+        raise ValueError(f"speculative_config.method {config.method!r} with {config.num_speculative_tokens} "
+                         f"tokens needs an engine started with the same config; this engine runs "
+                         f"{info.draft_method or 'no drafter'} ({info.max_draft_tokens} tokens)")
+    if not config.proposer_in_engine and info.draft_method:
+        raise ValueError(f"the engine runs a {info.draft_method} drafter but the scheduler's method is "
+                         f"{config.method!r}: give both the same --speculative-config")
+    return Speculator(config, frozenset(info.eos_token_ids), max_model_len)
