@@ -54,12 +54,25 @@ class MoeSpec:
     shared_intermediate_size: int = 0  # DeepSeek-V3's shared experts, one gated MLP (0: none)
 
     def __post_init__(self):
+        """ValueError naming the config's field where the routing cannot be what it asks for."""
         assert self.routing in ROUTINGS, self.routing
         assert self.activation in EXPERT_ACTIVATIONS, self.activation
-        assert 0 < self.top_k <= self.num_experts, (self.top_k, self.num_experts)
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"config field num_experts_per_tok={self.top_k} is not within 1..{self.num_experts} "
+                             "experts")
+        if self.intermediate_size < 1:
+            raise ValueError(f"the experts' intermediate size {self.intermediate_size} is not positive")
         if self.routing == "sigmoid_group":
-            assert self.num_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group
-            assert self.top_k <= self.topk_group * (self.num_experts // self.n_group)
+            if self.n_group < 1 or self.num_experts % self.n_group:
+                raise ValueError(f"config field n_group={self.n_group} does not divide {self.num_experts} experts")
+            if not 0 < self.topk_group <= self.n_group:
+                raise ValueError(f"config field topk_group={self.topk_group} is not within 1..n_group={self.n_group}")
+            if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError(f"config field num_experts_per_tok={self.top_k} exceeds the experts of "
+                                 f"topk_group={self.topk_group} groups")
+            if self.num_experts // self.n_group < 2:
+                raise ValueError(f"config field n_group={self.n_group} leaves fewer than 2 experts per group (each "
+                                 "group is scored by its two best)")
 
 
 def route(logits: torch.Tensor, spec: MoeSpec, correction: torch.Tensor | None = None

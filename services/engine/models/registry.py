@@ -53,4 +53,9 @@ def choose_model(raw: dict) -> ModelChoice:
 
 def read_spec(choice: ModelChoice) -> DecoderSpec:
     assert choice.path == MODULE_PATH
-    return choice.family.build(choice.hf_config, choice.architecture)
+    try:
+        return choice.family.build(choice.hf_config, choice.architecture)
+    except UnsupportedModelError:
+        raise
+    except ValueError as e:  # a layer spec refusing the sizes it was given (e.g. layers/moe.py's MoeSpec)
+        raise UnsupportedModelError(f"{choice.architecture}: {e}") from e

@@ -51,6 +51,14 @@ REFUSED = [
      "layer_types[1]='chunked_attention'"),
     ("gemma3_text", "Gemma3ForCausalLM", {"model_type": "gemma3"}, "model_type='gemma3'"),
     ("llama", "MambaForCausalLM", {}, "MambaForCausalLM"),
+    # Expert and latent-attention families: what their routing or attention cannot be.
+    ("deepseek_v3", "DeepseekV3ForCausalLM", {"n_routed_experts": 12, "n_group": 8}, "n_group=8 does not divide 12"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", {"attention_bias": True}, "attention_bias=True"),
+    ("mixtral", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 3},
+     "num_experts_per_tok=3 is not within 1..2"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("gpt_oss", "GptOssForCausalLM", {"layer_types": ["full_attention", "chunked_attention"]},
+     "layer_types[1]='chunked_attention'"),
 ]
 
 
