@@ -51,15 +51,17 @@ def test_scheduler_output_round_trips_and_matches_asdict(out):
 
 @settings(max_examples=40, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=20), st.lists(st.integers(0, 10**5), min_size=1, max_size=3),
-                       max_size=6), st.booleans())
-def test_model_runner_output_round_trips(sampled, with_logprobs):
+                       max_size=6), st.booleans(), st.lists(st.integers(0, 10**9), max_size=8))
+def test_model_runner_output_round_trips(sampled, with_logprobs, expert_tokens):
     entry = TokenLogprobs(-0.25, [1, 2], [-0.25, -1.5])
     lps = {k: [entry for _ in v] for k, v in sampled.items()} if with_logprobs else {}
     drafts = {k: v[:2] for k, v in sampled.items() if len(v) > 1}  # a draft model's proposals
-    out = ModelRunnerOutput(3, sampled, lps, drafts)
+    out = ModelRunnerOutput(3, sampled, lps, drafts, expert_tokens)
     expected = dataclasses.asdict(out)
     if not drafts:
         del expected["draft_token_ids"]  # a step without proposals carries nothing of them
+    if not expert_tokens:
+        del expected["expert_tokens"]  # nor a dense model's step anything of experts
     assert out.to_wire() == expected
     back = decode_reply(encode_reply(WireReply(1, True, "i", out.to_wire())))
     assert ModelRunnerOutput.from_wire(back.body) == out
