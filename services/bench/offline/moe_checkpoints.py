@@ -12,10 +12,10 @@ Each is then measured as any model is: `pagedserve bench throughput --model DIR 
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
-from services.model_files.model_source import TOKENIZER_FILES, cache_root, resolve_model
+from services.model_files.model_source import cache_root
+from services.model_files.random_checkpoint import write_random_checkpoint
 
 ATTENTION = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                  max_position_embeddings=4096, tie_word_embeddings=True)
@@ -29,29 +29,8 @@ SHAPES = {
 
 def write_checkpoint(name: str, out: Path) -> Path:
     """The named shape's random bfloat16 checkpoint in `out` (seeded), written once."""
-    if (out / "complete.txt").exists():
-        return out
-    import torch
-    import transformers
-
     config_class, model_class, shape = SHAPES[name]
-    src = resolve_model(None)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in TOKENIZER_FILES:
-        if f != "config.json" and (src / f).exists():
-            shutil.copy(src / f, tmp / f)
-    tok = transformers.AutoTokenizer.from_pretrained(str(src))
-    config = getattr(transformers, config_class)(**shape, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                                 eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_class)(config).to(torch.bfloat16)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    (tmp / "complete.txt").write_text("written whole\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return write_random_checkpoint(out, config_class, model_class, shape, "bfloat16")
 
 
 def run(args: argparse.Namespace) -> int:

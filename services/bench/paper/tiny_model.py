@@ -10,10 +10,10 @@ the default run fits in 15 minutes; `--model` runs the same search on real weigh
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from services.model_files.model_source import TOKENIZER_FILES, cache_root, resolve_model
+from services.model_files.model_source import cache_root
+from services.model_files.random_checkpoint import write_random_checkpoint
 
 NAME = "bench-paper-tiny-llama-v1"
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -22,25 +22,5 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 def tiny_model_dir() -> Path:
     """The directory of the default model, built on first use (seeded: the same weights everywhere)."""
-    out = cache_root() / "models" / NAME
-    marker = out / "complete.txt"
-    if marker.exists():
-        return out
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    src = resolve_model(None)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        if name != "config.json" and (src / name).exists():
-            shutil.copy(src / name, tmp / name)
-    tok = AutoTokenizer.from_pretrained(str(src))
-    config = LlamaConfig(**SHAPE, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(str(tmp), safe_serialization=True)
-    (tmp / "complete.txt").write_text("written whole\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return write_random_checkpoint(cache_root() / "models" / NAME, "LlamaConfig", "LlamaForCausalLM", SHAPE,
+                                   "float32")
