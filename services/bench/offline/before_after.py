@@ -62,7 +62,11 @@ def run(args) -> int:
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no", cwd=here))
     bench_args = _throughput_args(args)
     tmp = Path(tempfile.mkdtemp(prefix="pagedserve-before-"))
-    before = tmp / "checkout"
+    # One checkout path per revision, reused by later commands: the C++ kernels' build key includes their
+    # directory, so a fresh path per command would rebuild them (minutes on two cores) every time.
+    before = Path(tempfile.gettempdir()) / f"pagedserve-before-{before_rev}"
+    if before.exists():
+        _git("worktree", "remove", "--force", str(before), cwd=here)
     _git("worktree", "add", "--detach", str(before), before_rev, cwd=here)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     try:
