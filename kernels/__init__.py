@@ -4,7 +4,8 @@ the CPU (kernels.cpu) and PyTorch references that specify them all.
 Public API: write_kv, decode_attention, prefill_attention and their *_ref twins, same signatures. The
 engine's attention backend (services/engine/attention.py) picks Triton on CUDA and kernels.cpu on the
 CPU; the references are the fallback when the C++ kernels cannot be built, and what tests judge by.
-Mixture-of-experts: fused_experts (Triton), fused_experts_cpu (+ pack_experts_cpu) and fused_experts_ref,
+Mixture-of-experts: fused_experts (Triton), fused_experts_cpu (+ pack_experts_cpu, or linear_experts_cpu for
+experts that are callables, e.g. quantized linears) and fused_experts_ref,
 same leading signature; group_by_expert / align_block_size, the grouping they share.
 
 Importing this package imports neither Triton nor torch: the engine imports it on CPU-only machines,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 _REFERENCES = ("decode_attention_ref", "prefill_attention_ref", "write_kv_ref")
 # Torch-only MoE entry points (no Triton), loaded on first use like the references.
 _MOE = {"fused_experts_ref": "moe_reference", "moe_activation": "moe_reference",
-        "fused_experts_cpu": "moe_cpu", "pack_experts_cpu": "moe_cpu",
+        "fused_experts_cpu": "moe_cpu", "pack_experts_cpu": "moe_cpu", "linear_experts_cpu": "moe_cpu",
         "group_by_expert": "moe_align", "align_block_size": "moe_align"}
 
 
@@ -111,6 +112,7 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 __all__ = [
     "align_block_size", "decode_attention", "decode_attention_ref", "fused_experts", "fused_experts_cpu",
-    "fused_experts_ref", "group_by_expert", "moe_activation", "pack_experts_cpu", "prefill_attention",
+    "fused_experts_ref", "group_by_expert", "linear_experts_cpu", "moe_activation", "pack_experts_cpu",
+    "prefill_attention",
     "prefill_attention_ref", "triton_available", "write_kv", "write_kv_ref",
 ]

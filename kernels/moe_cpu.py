@@ -14,6 +14,8 @@ Which GEMM (so MoE experts go the dense linears' way, services/engine/linear.py)
 - float16 packed: oneDNN reordered weights, as the dense layers;
 - float32, or any dtype unpacked: `F.linear` (oneDNN/MKL underneath; float32 results match transformers,
   as the dense float32 Linear does). Unpacked bfloat16 works but oneDNN reorders each weight per call.
+- quantized experts (gpt-oss's MXFP4): `linear_experts_cpu` takes one callable per expert and projection
+  (the engine's quantized linears, which dequantize inside the C++ GEMM), bias included.
 
 The SiLU activation in half precision takes the C++ `silu_mul` the dense MLP uses (float32 inside, one
 rounding); float32 and gpt-oss's activation run kernels.moe_reference.moe_activation.
@@ -33,6 +35,7 @@ from kernels.moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_moe_args, 
 
 log = logging.getLogger(__name__)
 GEMM_KINDS = ("avx512", "onednn", "linear")
+CALLABLE = "callable"  # linear_experts_cpu: per-expert callables
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class CpuExperts:
     """Expert weights in the form one GEMM kind reads, built once (pack_experts_cpu).
 
     `gate_up[e]` / `down[e]` are expert e's operands: bf16_gemm panels (a stacked tensor, "avx512"),
-    oneDNN-reordered weights (a list, "onednn") or the plain `[2I, H]` / `[H, I]` rows ("linear").
+    oneDNN-reordered weights (a list, "onednn"), the plain `[2I, H]` / `[H, I]` rows ("linear"), or
+    callables computing `x @ w.T + b` ("callable", biases inside them).
     Biases are in the form that GEMM adds them: float32 padded to whole panels ("avx512"), the weight's
     dtype otherwise; None without biases.
     """
@@ -69,6 +73,15 @@ def _plain(w_gate_up, w_down, b_gate_up, b_down) -> CpuExperts:
     return CpuExperts("linear", dtype, w_gate_up.shape[0], w_gate_up.shape[2], w_gate_up.shape[1] // 2, w_gate_up,
                       w_down, None if b_gate_up is None else b_gate_up.to(dtype),
                       None if b_down is None else b_down.to(dtype))
+
+
+def linear_experts_cpu(gate_up: list, down: list, hidden: int, inter: int, dtype: torch.dtype) -> CpuExperts:
+    """Experts whose projections are callables (`gate_up[e](x)`: `[n, H] -> [n, 2I]`, gate columns then up;
+    `down[e](h)`: `[n, I] -> [n, H]`, biases included), e.g. quantized linears that dequantize inside their
+    GEMM. Pass the result as `fused_experts_cpu(..., packed=...)`."""
+    if len(gate_up) != len(down) or not gate_up or not all(map(callable, (*gate_up, *down))):
+        raise ValueError("kernels.linear_experts_cpu: one gate_up and one down callable per expert")
+    return CpuExperts(CALLABLE, dtype, len(gate_up), hidden, inter, list(gate_up), list(down))
 
 
 def pack_experts_cpu(w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None = None,
@@ -126,6 +139,8 @@ def pack_experts_cpu(w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: t
 
 def _gemm(experts: CpuExperts, x: torch.Tensor, w, out_features: int, bias) -> torch.Tensor:
     """x @ w.T (+ bias) for one expert's operand `w` (module-level so tests can count the calls)."""
+    if experts.kind == CALLABLE:
+        return w(x)
     if experts.kind == "avx512":
         return experts.mod.bf16_gemm(x, w, out_features, bias)
     if experts.kind == "onednn":

@@ -1,6 +1,6 @@
 // Linear layers over quantized weights (W8A16, W4A16, FP8 weights): y = x @ w.T (+ bias), where
 // w[n][k] = s[n][g] * q[n][k] + b[n][g] for the group g = k / group_size, and q is a 4-bit or 8-bit integer
-// code or an e4m3 float; x is bfloat16, products and sums are float32, the output is rounded to bfloat16
+// code, an e4m3 float or an e2m1 float (MXFP4); x is bfloat16, products and sums are float32, the output is rounded to bfloat16
 // once. Decode is bandwidth-bound on the CPU: a 4-bit weight moves a quarter of the bytes of a bfloat16
 // one, so dequantizing inside the kernel, never to memory, is what makes it faster.
 //
@@ -18,6 +18,8 @@
 //   offset (b, optional): [panels][groups][64] float16 or float32; or zero (optional): [panels][groups][64]
 //     uint8, b = -s * zero; or neither: b = -s * zero_const.
 //   fp8 codes are e4m3 bit patterns, widened to float32 exactly (subnormals included).
+//   fp4 codes (MXFP4's e2m1) are packed as the 4-bit ones: sign in bit 3, the magnitude (0, 0.5, 1, 1.5, 2,
+//     3, 4, 6) looked up in a register; with its power-of-two block scale and no offset the product is exact.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -28,7 +30,7 @@
 namespace {
 constexpr int64_t kQPanel = 64;
 constexpr int64_t kChunkPairs = 256;  // 512 k per dequantized chunk: 128 KiB of float32, resident in L2
-enum CodeKind : int64_t { kU8 = 0, kU4 = 1, kFp8 = 2 };
+enum CodeKind : int64_t { kU8 = 0, kU4 = 1, kFp8 = 2, kFp4 = 3 };
 }  // namespace
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -83,9 +85,23 @@ inline __m256 fp8_to_float(__m256i bytes) {
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
 }
 
+// e2m1 nibbles (in 32-bit lanes) to float32: the magnitude from an 8-entry table, the sign bit moved to bit 31.
+inline __m256 fp4_to_float(__m256i nib) {
+  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(nib, _mm256_set1_epi32(7)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(8)), 28);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+}
+
 // The codes of 8 columns (slice j of the panel) for the pair of k of one pair-row: (even k, odd k).
 template <int KIND>
 inline void codes8(const uint8_t* row, int j, __m256& even, __m256& odd) {
+  if (KIND == kFp4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * j)));
+    even = fp4_to_float(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    odd = fp4_to_float(_mm256_srli_epi32(v, 4));
+    return;
+  }
   if (KIND == kU4) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * j)));
     even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
@@ -112,7 +128,7 @@ inline float bf16_at(const uint16_t* a, int64_t i) {
 }
 
 template <int KIND>
-constexpr int64_t row_bytes() { return KIND == kU4 ? kQPanel : 2 * kQPanel; }
+constexpr int64_t row_bytes() { return KIND == kU4 || KIND == kFp4 ? kQPanel : 2 * kQPanel; }
 
 // One row of x against one panel, dequantizing in registers: acc[64] = sum over k.
 template <int KIND>
@@ -234,10 +250,11 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int
                          int64_t out_features, c10::optional<torch::Tensor> bias,
                          c10::optional<torch::Tensor> row_scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "quant_gemm: a 2-D bfloat16 input");
-  TORCH_CHECK(kind == kU8 || kind == kU4 || kind == kFp8, "quant_gemm: code kind 0 (u8), 1 (u4) or 2 (fp8)");
+  TORCH_CHECK(kind == kU8 || kind == kU4 || kind == kFp8 || kind == kFp4,
+              "quant_gemm: code kind 0 (u8), 1 (u4), 2 (fp8) or 3 (fp4)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3,
               "quant_gemm: codes are contiguous uint8 [panels, K/2, bytes per pair-row]");
-  const int64_t row_bytes = kind == kU4 ? kQPanel : 2 * kQPanel;
+  const int64_t row_bytes = kind == kU4 || kind == kFp4 ? kQPanel : 2 * kQPanel;
   const int64_t panels = codes.size(0), pairs = codes.size(1), m = x.size(0), k = x.size(1);
   TORCH_CHECK(codes.size(2) == row_bytes, "quant_gemm: codes' last dimension does not match the code kind");
   TORCH_CHECK(pairs * 2 >= k && pairs * 2 <= k + 1, "quant_gemm: codes do not match the input's K");
@@ -285,6 +302,7 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int
   const int64_t group_pairs = group_size / 2;
   auto* out = y.data_ptr<c10::BFloat16>();
   if (kind == kU4) run<kU4>(a, x.stride(0), m, c, pairs, gp, group_pairs, b, rs, out, out_features);
+  else if (kind == kFp4) run<kFp4>(a, x.stride(0), m, c, pairs, gp, group_pairs, b, rs, out, out_features);
   else if (kind == kFp8) run<kFp8>(a, x.stride(0), m, c, pairs, gp, group_pairs, b, rs, out, out_features);
   else run<kU8>(a, x.stride(0), m, c, pairs, gp, group_pairs, b, rs, out, out_features);
   return y;

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from services.engine.kv_cache_fp8 import read_kv_scales
 from services.engine.layers.rotary import rope_note
 from services.engine.models.decoder import DecoderModel
-from services.engine.models.expert_weights import read_mla, read_moe
+from services.engine.models.expert_weights import check_quantized_experts, read_mla, read_moe
 from services.engine.models.registry import MODULE_PATH, ModelChoice, choose_model, read_spec
 from services.engine.models.spec import DecoderSpec, UnsupportedModelError
 from services.engine.quant.formats.gguf_tensors import GgufCheckpoint
@@ -144,8 +144,9 @@ class _LayerReader:
             return torch.cat([read(name, self.mlp), read(name, _shift(self.mlp, self.spec.intermediate_size))])
         return torch.cat([read(p + f"mlp.gate_proj.{kind}", self.mlp), read(p + f"mlp.up_proj.{kind}", self.mlp)])
 
-    def _packed(self, p: str) -> dict:
-        """The four projections of a quantized checkpoint, as the quantization layer holds them."""
+    def _packed(self, p: str, mlp: bool = True) -> dict:
+        """The four projections of a quantized checkpoint (Q/K/V and O only where `mlp` is False: an expert
+        layer's place), as the quantization layer holds them."""
         q, spec = self.quantized, self.spec
         whole = self.shard is None
         q_rows, kv_rows, mlp_rows = (None, None, None) if whole else (self.q, self.kv, self.mlp)
@@ -155,13 +156,15 @@ class _LayerReader:
         else:
             qkv = q.projection([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
                                [q_rows, kv_rows, kv_rows])
+        out = {"qkv": qkv, "o": q.projection([p + "self_attn.o_proj"], cols=q_rows)}
+        if not mlp:
+            return out
         if spec.layout.fused_gate_up:
             gate_up = q.projection([p + "mlp.gate_up_proj"] * 2,
                                    [self.mlp, _shift(self.mlp, spec.intermediate_size)])
         else:
             gate_up = q.projection([p + "mlp.gate_proj", p + "mlp.up_proj"], [mlp_rows, mlp_rows])
-        return {"qkv": qkv, "o": q.projection([p + "self_attn.o_proj"], cols=q_rows),
-                "gate_up": gate_up, "down": q.projection([p + "mlp.down_proj"], cols=mlp_rows)}
+        return {**out, "gate_up": gate_up, "down": q.projection([p + "mlp.down_proj"], cols=mlp_rows)}
 
     def layer(self, i: int) -> dict:
         spec, read, put = self.spec, self.ckpt.read, self.put
@@ -171,7 +174,9 @@ class _LayerReader:
             out["q_norm"] = put(read(p + "self_attn.q_norm.weight"))
             out["k_norm"] = put(read(p + "self_attn.k_norm.weight"))
         if self.quantized is not None:
-            out.update(self._packed(p))
+            out.update(self._packed(p, mlp=i not in spec.moe_layers))
+            if i in spec.moe_layers:  # MXFP4 (check_quantized_experts): its experts, the rest as stored
+                out.update(read_moe(self.ckpt, p, spec, self.shard, put, self.quantized.device))
         else:
             if spec.mla is not None:
                 out.update(read_mla(self.ckpt, p, spec, self.shard, put))
@@ -208,10 +213,7 @@ def load_decoder(choice: ModelChoice, model_dir: Path, dtype: torch.dtype, devic
     shard = plan_shard(spec, group)
     ckpt = GgufCheckpoint(gguf) if gguf is not None else Checkpoint(model_dir)
     quantized = None if scheme is None and gguf is None else QuantizedCheckpoint(ckpt, scheme, device, dtype)
-    if quantized is not None and (spec.moe is not None or spec.mla is not None):
-        raise UnsupportedModelError(f"{spec.architecture}: a quantized checkpoint of a mixture-of-experts or latent-"
-                                    "attention model is not served yet (its experts and latent projections are read "
-                                    "unquantized only)")
+    check_quantized_experts(spec, scheme, gguf is not None)
     whole = shard is None
 
     def put(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""`pagedserve serve` as a real process on tiny checkpoints of the new families (Gemma 2's windows and
-soft-caps, Qwen3's per-head norms) and of an architecture with no module (OLMo, the transformers path):
-the official openai client gets transformers' greedy tokens for a prompt longer than the windows, a
-chat through the checkpoint's template with chat_template_kwargs, and /v1/models says which path runs it."""
+"""`pagedserve serve` as a real process on a tiny checkpoint of a family module (Gemma 2's windows and
+soft-caps) and of an architecture with no module (OLMo, the transformers path): the official openai client
+gets transformers' greedy tokens for a prompt longer than the windows, a chat through the checkpoint's
+template with chat_template_kwargs, and /v1/models says which path runs it. Every family module is served
+the same way in tests/engine/models/test_families_served.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ pytest.importorskip("services.scheduler.async_scheduler")
 FAMILIES = {
     "gemma2": ({"head_dim": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
                 "final_logit_softcapping": 5.0, "sliding_window": 10}, "pagedserve"),
-    "qwen3": ({"head_dim": 32}, "pagedserve"),
     "olmo": ({}, "transformers"),
 }
 

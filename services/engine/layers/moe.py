@@ -112,7 +112,8 @@ class ExpertLayer:
     is); the shared experts' `shared_gate_up` [2S, H] and `shared_down` [H, S] as plain linears.
 
     On the CPU the experts are packed once for the dense layers' GEMM (kernels.pack_experts_cpu) and run
-    by kernels.fused_experts_cpu; with `triton` (the Triton attention backend: CUDA, or the interpreter) by
+    by kernels.fused_experts_cpu (quantized experts as one quantized linear per expert,
+    kernels.linear_experts_cpu); with `triton` (the Triton attention backend: CUDA, or the interpreter) by
     the Triton grouped kernel (kernels.fused_experts).
     """
 
@@ -126,10 +127,21 @@ class ExpertLayer:
         self.router = w["router"].float() if spec.router_float32 else w["router"]
         self.router_bias = w.get("router_bias")
         self.correction = w.get("correction")
-        gate_up, down = w["experts_gate_up"], w["experts_down"]
+        gate_up, down = w["experts_gate_up"], w.get("experts_down")
         gate_up_bias, down_bias = w.get("experts_gate_up_bias"), w.get("experts_down_bias")
         self.packed = None
-        if not triton:  # the CPU path: only the packed copy is kept
+        if hasattr(gate_up, "gate_up"):
+            # Quantized experts (MXFP4, models/expert_weights.QuantizedExperts): one quantized linear per expert
+            # and projection, on the CPU path (the decoder refuses them where the Triton kernel would run).
+            assert not triton
+            n = len(gate_up.gate_up)
+            pick = (lambda b, e: None if b is None else b[e])
+            self.packed = kernels.linear_experts_cpu(
+                [linear(gate_up.gate_up[e], pick(gate_up_bias, e)) for e in range(n)],
+                [linear(gate_up.down[e], pick(down_bias, e)) for e in range(n)],
+                gate_up.down[0].out_features, gate_up.gate_up[0].out_features // 2, w["router"].dtype)
+            gate_up = down = gate_up_bias = down_bias = None
+        elif not triton:  # the CPU path: only the packed copy is kept
             self.packed = kernels.pack_experts_cpu(gate_up, down, gate_up_bias, down_bias)
             gate_up = down = gate_up_bias = down_bias = None
         self.gate_up, self.down, self.gate_up_bias, self.down_bias = gate_up, down, gate_up_bias, down_bias

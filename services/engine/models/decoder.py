@@ -32,7 +32,7 @@ from services.engine.layers.moe import ExpertLayer
 from services.engine.layers.norms import RMSNorm
 from services.engine.layers.rotary import RotaryEmbedding
 from services.engine.linear import make_linear_factory
-from services.engine.models.spec import DecoderSpec
+from services.engine.models.spec import DecoderSpec, UnsupportedModelError
 from services.engine.quant.projections import build_linear, embed_tokens
 
 if TYPE_CHECKING:
@@ -116,6 +116,10 @@ class DecoderModel:
         # Expert layers: Triton's grouped kernel on CUDA (whatever the attention backend) and where attention runs
         # Triton on the CPU (the interpreter, in tests); the C++-backed CPU path otherwise.
         triton_experts = self.attn.name == "triton" or device.type != "cpu"
+        if triton_experts and any(hasattr(w.get("experts_gate_up"), "gate_up") for w in weights["layers"]):
+            raise UnsupportedModelError(f"{c.architecture}: quantized (MXFP4) experts run on the CPU path only; the "
+                                        f"Triton grouped expert kernel (attention backend {self.attn.name!r} on "
+                                        f"{device.type}) reads unquantized experts")
         self.layers = []
         for w, attn, window, g in zip(weights["layers"], c.layers, windows, self.kv_plan.layer_group, strict=True):
             if attn.rope not in ropes:

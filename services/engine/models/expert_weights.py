@@ -14,17 +14,27 @@ tokens per layer; split like a dense MLP, every rank does the same share of ever
 and the layer ends in the same one all-reduce a dense MLP has. The price is narrower GEMMs per rank,
 which at the expert sizes of today's models (I = 768 .. 2,048) still fill a CPU's or GPU's tiles.
 
+MXFP4 experts (gpt-oss's `quant_method: mxfp4`: `experts.gate_up_proj_blocks` / `_scales` and the same
+for down) are read as they are stored, one packed 4-bit weight per expert and projection
+(`QuantizedExperts`), sliced to the rank's rows the same way (down's inputs on whole 32-column blocks).
+Other quantized experts and quantized latent attention are refused at load (`check_quantized_experts`).
+
 MLA splits by head (q_b / kv_b rows, o_proj columns); the latent projection is replicated.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from services.engine.layers.mla import deinterleave_rows
-from services.engine.models.spec import DecoderSpec
+from services.engine.models.spec import DecoderSpec, UnsupportedModelError
+from services.engine.quant.formats import mxfp4
+from services.engine.quant.panel_weight import PanelWeight
+from services.engine.quant.projections import QuantizedProjection
+from services.engine.quant.scheme import QuantizationConfigError, QuantScheme
 from services.engine.tp_shard import TensorParallelConfigError
 
 if TYPE_CHECKING:
@@ -42,8 +52,67 @@ def expert_rows(intermediate: int, shard: TensorParallelShard | None) -> tuple[i
     return shard.rank * n, (shard.rank + 1) * n
 
 
-def read_moe(ckpt, p: str, spec: DecoderSpec, shard: TensorParallelShard | None, put) -> dict:
-    """The expert layer's tensors of layer prefix `p` ("layers.{i}.")."""
+@dataclass
+class QuantizedExperts:
+    """One packed weight per expert: `gate_up[e]` `[2I, H]` (gate rows, then up rows), `down[e]` `[H, I]`."""
+
+    gate_up: list[QuantizedProjection]
+    down: list[QuantizedProjection]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in (*self.gate_up, *self.down))
+
+
+def check_quantized_experts(spec: DecoderSpec, scheme: QuantScheme | None, gguf: bool) -> None:
+    """Refuses, by name, a quantized checkpoint whose expert or latent layers the engine cannot read as stored."""
+    if scheme is not None and scheme.method == "mxfp4":
+        if spec.moe is None:
+            raise QuantizationConfigError("mxfp4", "quant_method", f"MXFP4 quantizes mixture-of-experts layers "
+                                                                   f"(gpt-oss's); {spec.architecture} has none")
+        if spec.expert_layout.expert_names is not None or spec.mla is not None:
+            raise QuantizationConfigError("mxfp4", "quant_method", f"MXFP4 experts are read in gpt-oss's fused "
+                                                                   f"layout; {spec.architecture} stores its experts "
+                                                                   "one by one")
+        return
+    if (scheme is not None or gguf) and (spec.moe is not None or spec.mla is not None):
+        what = "a GGUF file" if gguf else f"a {scheme.method} checkpoint"
+        raise UnsupportedModelError(f"{spec.architecture}: {what} of a mixture-of-experts or latent-attention "
+                                    "model is not served (experts are read unquantized or as gpt-oss's MXFP4; "
+                                    "latent projections unquantized only)")
+
+
+def _read_mxfp4(ckpt, b: str, a: int, z: int, first_rank: bool, device: torch.device, put) -> dict:
+    """gpt-oss's MXFP4 experts, rows [a, z) of every expert's intermediate size."""
+    gu_blocks = ckpt.read_part(b + "experts.gate_up_proj_blocks", (slice(None), slice(2 * a, 2 * z)))
+    gu_scales = ckpt.read_part(b + "experts.gate_up_proj_scales", (slice(None), slice(2 * a, 2 * z)))
+    if a % mxfp4.BLOCK or z % mxfp4.BLOCK:
+        raise TensorParallelConfigError(f"{b}experts.down_proj: MXFP4 blocks of {mxfp4.BLOCK} inputs cannot be split "
+                                        f"at rows [{a}, {z}); pick a tensor-parallel size that splits whole blocks")
+    cols = (slice(None), slice(None), slice(a // mxfp4.BLOCK, z // mxfp4.BLOCK))
+    d_blocks = ckpt.read_part(b + "experts.down_proj_blocks", cols)
+    d_scales = ckpt.read_part(b + "experts.down_proj_scales", cols)
+    rows = gu_blocks.shape[1]
+    # Interleaved rows (gate at even, up at odd) to gate rows then up rows, as the dense layout is held.
+    order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
+    gate_up, down = [], []
+    for e in range(gu_blocks.shape[0]):
+        qw = mxfp4.read_expert(gu_blocks[e], gu_scales[e], f"{b}experts.gate_up_proj[{e}]").take_rows(order)
+        gate_up.append(QuantizedProjection(PanelWeight.of(qw, device)))
+        down.append(QuantizedProjection(PanelWeight.of(
+            mxfp4.read_expert(d_blocks[e], d_scales[e], f"{b}experts.down_proj[{e}]"), device)))
+    out = {"experts_gate_up": QuantizedExperts(gate_up, down)}  # holds both projections
+    bias = ckpt.read_part(b + "experts.gate_up_proj_bias", (slice(None), slice(2 * a, 2 * z)))
+    out["experts_gate_up_bias"] = put(torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
+    if first_rank:
+        out["experts_down_bias"] = put(ckpt.read(b + "experts.down_proj_bias"))
+    return out
+
+
+def read_moe(ckpt, p: str, spec: DecoderSpec, shard: TensorParallelShard | None, put,
+             quantized_on: torch.device | None = None) -> dict:
+    """The expert layer's tensors of layer prefix `p` ("layers.{i}."); `quantized_on`: the device of a
+    quantized checkpoint's packed weights (MXFP4 experts are read packed where the file stores them so)."""
     moe, names = spec.moe, spec.expert_layout
     first_rank = shard is None or shard.rank == 0
     b = p + names.block + "."
@@ -57,6 +126,11 @@ def read_moe(ckpt, p: str, spec: DecoderSpec, shard: TensorParallelShard | None,
         out["correction"] = ckpt.read(router + "e_score_correction_bias").to(out["router"].device, torch.float32)
     a, z = expert_rows(moe.intermediate_size, shard)
     E = moe.num_experts
+    if names.expert_names is None and b + "experts.gate_up_proj_blocks" in ckpt:
+        if quantized_on is None:
+            raise QuantizationConfigError("?", "quant_method", f"{b}experts holds MXFP4 blocks but the config has no "
+                                                               "quantization_config with quant_method 'mxfp4'")
+        return {**out, **_read_mxfp4(ckpt, b, a, z, first_rank, quantized_on, put)}
     if names.expert_names is None:
         gate_up = ckpt.read_part(b + "experts.gate_up_proj", (slice(None), slice(None), slice(2 * a, 2 * z)))
         # Interleaved columns (gate at even, up at odd) to gate rows then up rows.

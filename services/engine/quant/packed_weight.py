@@ -7,7 +7,8 @@ parameters along K:
     w[n, k] = scale[n, g] * code[n, k] + offset[n, g]    with an offset (GGUF Q4_1 and the K-quants' minima)
     g = k // group_size   (the last group may be shorter)
 
-where `code` is an unsigned integer of `bits` bits, or an e4m3 bit pattern (`float8`). Scales keep the
+where `code` is an unsigned integer of `bits` bits, an e4m3 bit pattern (`float8`), or an e2m1 one
+(`fp4`, MXFP4: w = FP4[code] * scale, no zero point). Scales keep the
 checkpoint's dtype, so holding them costs what the file does. With act-order (GPTQ `desc_act`,
 compressed-tensors `actorder`) the columns are stored sorted by group and `perm` says which input
 column each one multiplies: the product is `x[:, perm] @ w_sorted.T`.
@@ -24,6 +25,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+# e2m1 (MXFP4) values by code: bit 3 is the sign, then two exponent bits and one mantissa bit.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def fp4_lookup(codes: torch.Tensor) -> torch.Tensor:
+    """The e2m1 values of codes (any shape, uint8 0..15), float32."""
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
 
 class QuantizedShardError(ValueError):
     """A quantized weight cannot be split where tensor parallelism needs it split."""
@@ -39,6 +48,7 @@ class QuantizedWeight:
     zero_const: int = 0  # the zero point of every group when `zero` and `offset` are None
     offset: torch.Tensor | None = None  # [N, G] float: added after scaling (instead of a zero point)
     float8: bool = False  # codes are float8_e4m3fn bit patterns (zero point 0)
+    fp4: bool = False  # codes are e2m1 bit patterns (MXFP4; zero point 0)
     perm: torch.Tensor | None = None  # [K] int64: stored column j multiplies input column perm[j]
     source: str = ""  # the format it was read from, for messages and figures ("gptq", "gguf Q4_1", ...)
 
@@ -51,7 +61,8 @@ class QuantizedWeight:
         assert self.offset is None or self.offset.shape == self.scale.shape
         assert self.zero is None or self.offset is None
         assert self.perm is None or self.perm.shape == (k,)
-        assert self.bits in (4, 5, 6, 8) and (not self.float8 or self.bits == 8)
+        assert self.bits in (4, 5, 6, 8) and (not self.float8 or self.bits == 8) and (not self.fp4 or self.bits == 4)
+        assert not (self.fp4 and (self.zero is not None or self.offset is not None or self.zero_const))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,6 +85,8 @@ class QuantizedWeight:
         scale = self.scale.float()[:, g]
         if self.float8:
             w = self.codes.view(torch.float8_e4m3fn).float() * scale
+        elif self.fp4:
+            w = fp4_lookup(self.codes) * scale
         elif self.offset is not None:
             w = self.codes.float() * scale + self.offset.float()[:, g]
         else:
@@ -122,7 +135,7 @@ class QuantizedWeight:
             return (a is None) == (b is None) and (a is None or (a.dtype == b.dtype and torch.equal(a, b)))
 
         return (self.codes.shape[1] == other.codes.shape[1] and self.bits == other.bits
-                and self.group_size == other.group_size and self.float8 == other.float8
+                and self.group_size == other.group_size and self.float8 == other.float8 and self.fp4 == other.fp4
                 and self.scale.dtype == other.scale.dtype and (self.zero is None) == (other.zero is None)
                 and (self.offset is None) == (other.offset is None)
                 and (self.offset is None or self.offset.dtype == other.offset.dtype)

@@ -4,7 +4,8 @@ One layout serves every path: the C++ GEMM (kernels/cpu/quant_gemm.cpp) reads it
 reference dequantizes from it, and a quantized embedding (GGUF's `token_embd`, tied to the LM head)
 gathers its rows from it, so a tied weight is held once.
 
-    codes  u8 / fp8: [panels, K/2, 64, 2] as [panels, K/2, 128];  u4: [panels, K/2, 64] (k even: low nibble)
+    codes  u8 / fp8: [panels, K/2, 64, 2] as [panels, K/2, 128];  u4 / fp4 (MXFP4's e2m1): [panels, K/2, 64]
+           (k even: low nibble)
     scale, offset, zero: [panels, groups, 64]
 
 N is padded to whole panels and K to whole pairs with zero codes and zero scales (padding weighs 0).
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.quant.packed_weight import QuantizedWeight
+from services.engine.quant.packed_weight import QuantizedWeight, fp4_lookup
 
 PANEL = 64
-KIND_U8, KIND_U4, KIND_FP8 = 0, 1, 2
+KIND_U8, KIND_U4, KIND_FP8, KIND_FP4 = 0, 1, 2, 3
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ class PanelWeight:
         codes = torch.zeros(rows, pairs * 2, dtype=torch.uint8)
         codes[:n, :k] = qw.codes
         if qw.bits == 4:
-            kind = KIND_U4
+            kind = KIND_FP4 if qw.fp4 else KIND_U4
             nib = codes[:, 0::2] | (codes[:, 1::2] << 4)
             packed = nib.view(rows // PANEL, PANEL, pairs).transpose(1, 2).contiguous()
         else:
@@ -96,7 +97,7 @@ class PanelWeight:
 
     def _codes_of(self, panel: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """Codes of the rows at (panel, column-in-panel) indices, [R, K_padded] uint8."""
-        if self.kind == KIND_U4:
+        if self.kind in (KIND_U4, KIND_FP4):
             nib = self.codes[panel, :, col]  # [R, K/2]
             return torch.stack([nib & 0xF, nib >> 4], dim=-1).flatten(1)
         c = self.codes.view(self.codes.shape[0], self.codes.shape[1], PANEL, 2)
@@ -111,6 +112,8 @@ class PanelWeight:
         scale = self.scale[panel, :, col].float()[:, g]
         if self.kind == KIND_FP8:
             return (codes.view(torch.float8_e4m3fn).float() * scale).to(dtype)
+        if self.kind == KIND_FP4:
+            return (fp4_lookup(codes) * scale).to(dtype)
         if self.offset is not None:
             w = codes.float() * scale + self.offset[panel, :, col].float()[:, g]
         else:

@@ -141,7 +141,7 @@ def _pad_rows(w, rows: int):
                           zero_const=w.zero_const,
                           offset=None if w.offset is None else torch.zeros(rows - n, w.offset.shape[1],
                                                                            dtype=w.offset.dtype),
-                          float8=w.float8, perm=w.perm, source=w.source)
+                          float8=w.float8, fp4=w.fp4, perm=w.perm, source=w.source)
     return cat_rows([w, pad])
 
 

@@ -16,6 +16,9 @@ Served, as vLLM spells the methods:
 - `gptq`: 4 and 8 bits, any group size, `desc_act` (`g_idx`), symmetric or asymmetric, both checkpoint
   formats (`gptq`: stored zero point = zero - 1, as AutoGPTQ wrote it; `gptq_v2`: stored as is).
 - `awq`: 4 bits, `version: gemm` (AutoAWQ's GEMM packing order), zero points.
+- `mxfp4`: gpt-oss's experts as `*_blocks` (e2m1 codes) and `*_scales` (E8M0 exponents per 32 inputs);
+  as in transformers, only the expert layers are quantized and every other linear is read as stored
+  (services/engine/quant/formats/mxfp4.py).
 GGUF files carry their types per tensor and need no config (services/engine/quant/formats/gguf_tensors.py).
 No torch here: the launcher checks a model before it starts any process.
 """
@@ -83,6 +86,8 @@ class QuantScheme:
         return None
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 (experts, e2m1 with E8M0 scales per 32)"
         kinds = sorted({f"{s.weight.layout} {s.weight.bits}-bit" for _, s in self.groups})
         return f"{self.method} ({', '.join(kinds)})"
 
@@ -339,10 +344,16 @@ def _compressed_tensors(cfg: dict) -> QuantScheme:
     return QuantScheme(m, tuple(groups), _names(m, cfg, "ignore"), kv_cache_scales=bool(kv))
 
 
-_READERS = {"fp8": _fp8, "gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}
+def _mxfp4(cfg: dict) -> QuantScheme:
+    """No linear-layer groups: the method quantizes expert layers only (which ones hold MXFP4 the tensors
+    say: `experts.*_blocks`); `modules_to_not_convert` names what transformers leaves alone, the rest."""
+    m = "mxfp4"
+    _check_fields(m, cfg, {"quant_method", "modules_to_not_convert"}, {"dequantize"})
+    return QuantScheme(m, (), _names(m, cfg, "modules_to_not_convert"))
+
+
+_READERS = {"fp8": _fp8, "gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "mxfp4": _mxfp4}
 _WHY_NOT = {
-    "mxfp4": "gpt-oss's MXFP4 experts need the mixture-of-experts layer (issue 31), which this engine does not "
-             "have yet",
     "bitsandbytes": "bitsandbytes NF4/int8 is not read",
 }
 

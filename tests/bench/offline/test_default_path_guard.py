@@ -62,10 +62,14 @@ def test_the_default_path_costs_per_step_what_it_did(part, trace, tokenizer, eng
 @pytest.mark.parametrize("part", ["scheduler", "engine"])
 def test_the_guard_fails_on_a_deliberately_added_per_step_cost(part, tokenizer, engine):
     """`pagedserve bench guard --inject scheduler|engine` does the same from the command line."""
+    want = [f"{part} w1: CPU per step / reference's"]
     with guard.added_cost(part):
         result = _measure(part, "w1", tokenizer, engine, repeats=3)
-    failed = _failed([result])
-    assert failed == [f"{part} w1: CPU per step / reference's"], result.ratios
+        if _failed([result]) != want:
+            # A burst of load landing on the reference's runs can hide the cost once (seen once in a busy
+            # make test); measured again with more repeats, as _within_budget does the other way round.
+            result = _measure(part, "w1", tokenizer, engine, repeats=7)
+    assert _failed([result]) == want, result.ratios
 
 
 def test_the_reference_schedule_is_the_schedulers_own():

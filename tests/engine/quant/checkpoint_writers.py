@@ -5,7 +5,8 @@ groups of the format), writes the format's tensors and `quantization_config` int
 dequantized weights, computed here from the codes it chose (not read back), as a plain float32 checkpoint
 into `ref`, which transformers runs as the reference. Layouts follow the formats' own writers: GPTQ's
 packing along the input with zero - 1 stored (v1), AWQ's 0 2 4 6 1 3 5 7 order, compressed-tensors'
-pack_to_int32 (unsigned = signed + 2^(bits-1), zero points packed along the output).
+pack_to_int32 (unsigned = signed + 2^(bits-1), zero points packed along the output), gpt-oss's MXFP4
+blocks and scales (transformers' Mxfp4 layout).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.engine.quant.formats import mxfp4
 from services.engine.quant.formats.int_packing import pack_awq, pack_int32
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -228,3 +230,21 @@ def write_ct_fp8(src, out, ref, strategy="channel", static=False):
             "dynamic": not static}
     _finish(out, ref, tensors, refs, cfg, _ct_config("float-quantized", weights, acts))
     return {"dtype": "fp8", "granularity": "tensor" if static else "token", "static_scale": 0.02 if static else None}
+
+
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def write_mxfp4(src, out, ref):
+    """gpt-oss's experts as its MXFP4 checkpoints store them: `experts.gate_up_proj` [E, H, 2I] becomes
+    `gate_up_proj_blocks` [E, 2I, H/32, 16] and `gate_up_proj_scales` [E, 2I, H/32] (outputs first, the
+    transpose transformers' dequantizer undoes), the same for down; everything else stays as it is, as
+    `modules_to_not_convert` says."""
+    state, cfg = _start(src, out, ref)
+    tensors, refs = dict(state), dict(state)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.encode(state[name].transpose(1, 2))
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        refs[name] = mxfp4.decode(blocks, scales).transpose(1, 2).contiguous()
+    _finish(out, ref, tensors, refs, cfg, {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED})

@@ -1,6 +1,7 @@
 """The quantized GEMM (kernels/cpu/quant_gemm.cpp) against the PyTorch reference of the same packed weight:
-4-bit, 8-bit and e4m3 codes; zero points, offsets and constant zeros; float16 and float32 scales; groups that
-do and do not divide K; K past one dequantized chunk; 1 to 70 rows; bias and per-row activation scales."""
+4-bit, 8-bit, e4m3 and e2m1 (MXFP4) codes; zero points, offsets and constant zeros; float16 and float32
+scales; groups that do and do not divide K; K past one dequantized chunk; 1 to 70 rows; bias and per-row
+activation scales."""
 
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ def ext():
     return mod
 
 
-def random_weight(gen, n, k, bits, group, mode, scale_dtype, float8=False) -> QuantizedWeight:
+def random_weight(gen, n, k, bits, group, mode, scale_dtype, float8=False, fp4=False) -> QuantizedWeight:
     groups = -(-k // group)
+    if fp4:  # every e2m1 code, power-of-two scales over a wide range (MXFP4's E8M0), no zero point
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        exps = torch.randint(-20, 6, (n, groups), generator=gen)
+        return QuantizedWeight(codes, 4, group, torch.ldexp(torch.ones(n, groups), exps), fp4=True, source="test")
     if float8:
         vals = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
         codes = vals.view(torch.uint8)
@@ -47,7 +52,7 @@ def random_weight(gen, n, k, bits, group, mode, scale_dtype, float8=False) -> Qu
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 200), k=st.sampled_from([2, 30, 64, 96, 576, 1100]), m=st.sampled_from([1, 2, 5, 7, 64, 70]),
-       kind=st.sampled_from(["u4", "u8", "fp8"]), mode=st.sampled_from(["zero", "offset", "const"]),
+       kind=st.sampled_from(["u4", "u8", "fp8", "fp4"]), mode=st.sampled_from(["zero", "offset", "const"]),
        group=st.sampled_from([2, 16, 32, 128, 0]), scale_dtype=st.sampled_from([torch.float16, torch.float32]),
        with_bias=st.booleans(), with_row_scale=st.booleans(), seed=st.integers(0, 2 ** 31))
 def test_quant_gemm_matches_the_reference(ext, n, k, m, kind, mode, group, scale_dtype, with_bias, with_row_scale,
@@ -56,7 +61,8 @@ def test_quant_gemm_matches_the_reference(ext, n, k, m, kind, mode, group, scale
     group = group or k + (k % 2)
     if kind == "fp8":
         mode = "const"
-    qw = random_weight(gen, n, k, 4 if kind == "u4" else 8, group, mode, scale_dtype, float8=kind == "fp8")
+    qw = random_weight(gen, n, k, 4 if kind in ("u4", "fp4") else 8, group, mode, scale_dtype,
+                       float8=kind == "fp8", fp4=kind == "fp4")
     pw = PanelWeight.of(qw)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen) if with_bias else None

@@ -48,7 +48,7 @@ def test_served_methods_parse():
 
 
 @pytest.mark.parametrize("cfg,method,field", [
-    ({"quant_method": "mxfp4"}, "mxfp4", "quant_method"),
+    ({"quant_method": "mxfp4", "future_switch": True}, "mxfp4", "future_switch"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes", "quant_method"),
     ({"quant_method": "hqq"}, "hqq", "quant_method"),
     ({**GPTQ, "bits": 3}, "gptq", "bits"),
