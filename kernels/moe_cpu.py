@@ -8,9 +8,12 @@ the gate_up GEMM, the activation, the down GEMM, one scaled scatter-add into a f
 Which GEMM (so MoE experts go the dense linears' way, services/engine/linear.py):
 
 - bfloat16 with weights packed by `pack_experts_cpu` (the engine's case): `kernels.cpu.bf16_gemm_choice()`,
-  the dense layers' rule: pagedserve's AVX512-BF16 `bf16_gemm` over per-expert panels packed once (CPUs
-  with AVX512-BF16 and no AMX in use), else oneDNN over weights reordered once
-  (`torch.ops.mkldnn._linear_pointwise`, what the dense PackedLinear calls; AMX machines);
+  the dense layers' rule: pagedserve's AVX512-BF16 GEMM over per-expert panels packed once (CPUs with
+  AVX512-BF16 and no AMX in use), as one `bf16_grouped_gemm` call per projection for all active experts
+  (their weights stream past the cores in one parallel region, instead of a call and a thread wake-up per
+  expert; at decode an expert has 1-3 rows, so the layer is bound by reading its weights), else oneDNN
+  over weights reordered once (`torch.ops.mkldnn._linear_pointwise`, what the dense PackedLinear calls;
+  AMX machines);
 - float16 packed: oneDNN reordered weights, as the dense layers;
 - float32, or any dtype unpacked: `F.linear` (oneDNN/MKL underneath; float32 results match transformers,
   as the dense float32 Linear does). Unpacked bfloat16 works but oneDNN reorders each weight per call.
@@ -161,6 +164,26 @@ def _expert_forward(experts: CpuExperts, e: int, xs: torch.Tensor, activation: s
     return _gemm(experts, h, experts.down[e], experts.hidden, pick(experts.b_down))
 
 
+def _grouped(experts: CpuExperts, x: torch.Tensor) -> bool:
+    """Whether one bf16_grouped_gemm call per projection can run the layer (pagedserve's AVX512-BF16 panels,
+    even K on both GEMMs, a build that has it)."""
+    return (experts.kind == "avx512" and experts.hidden % 2 == 0 and experts.inter % 2 == 0
+            and hasattr(experts.mod, "bf16_grouped_gemm"))
+
+
+def _grouped_forward(experts: CpuExperts, xs: torch.Tensor, offsets: torch.Tensor, activation: str, alpha: float,
+                     limit: float, fused) -> torch.Tensor:
+    """Every active expert at once: the rows `xs` grouped by expert (`offsets`), one grouped GEMM per
+    projection and the activation over all rows; each row bit-identical to `_expert_forward`'s."""
+    inter, mod = experts.inter, experts.mod
+    gate_up = mod.bf16_grouped_gemm(xs, experts.gate_up, offsets, 2 * inter, experts.b_gate_up)
+    if fused is not None:
+        h = fused.silu_mul(gate_up)
+    else:
+        h = moe_activation(gate_up[:, :inter], gate_up[:, inter:], activation, alpha=alpha, limit=limit)
+    return mod.bf16_grouped_gemm(h.contiguous(), experts.down, offsets, experts.hidden, experts.b_down)
+
+
 def fused_experts_cpu(x: torch.Tensor, w_gate_up: torch.Tensor | None, w_down: torch.Tensor | None,
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str = "silu", *,
                       b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
@@ -201,14 +224,21 @@ def fused_experts_cpu(x: torch.Tensor, w_gate_up: torch.Tensor | None, w_down: t
 
         fused = load()  # None without a compiler: moe_activation then
     counts, offsets = groups.counts.tolist(), groups.offsets.tolist()
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = groups.token_ids.narrow(0, offsets[e], n)
-        y = _expert_forward(experts, e, x.index_select(0, rows), activation, alpha, limit, fused)
-        # y is this call's own product (float() returns it as is for float32 x), so it is scaled in place.
-        # index_put_(accumulate=True) is index_add_'s scatter-add (repeated rows summed: a token naming
-        # this expert in two slots), but runs small updates on one thread: index_add_ always opens a
-        # parallel region, which cost 60 ms a call on this 2-core machine while another process ran.
-        out.index_put_((rows,), y.float().mul_(weights.narrow(0, offsets[e], n).unsqueeze(1)), accumulate=True)
+    # One gather of every pair's row in the grouped order; each expert then reads a contiguous slice of it,
+    # and its outputs are concatenated back in the same order: per active expert only the two GEMMs and
+    # the activation run (a decode step of a 64-expert model has ~50 active experts per layer, so every
+    # per-expert op saved is ~50 small torch calls per layer).
+    xs = x.index_select(0, groups.token_ids)
+    if _grouped(experts, x):
+        y = _grouped_forward(experts, xs, groups.offsets, activation, alpha, limit, fused)
+    else:
+        ys = [_expert_forward(experts, e, xs.narrow(0, offsets[e], n), activation, alpha, limit, fused)
+              for e, n in enumerate(counts) if n]
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys)) if ys else xs
+    # index_put_(accumulate=True) is index_add_'s scatter-add (repeated rows summed: a token naming one
+    # expert in two slots), in the pairs' order, so a token's experts are summed in expert order as the
+    # per-expert loop (and transformers) summed them; it runs on one thread where index_add_ opens a
+    # parallel region (60 ms a call on this 2-core machine while another process ran). y is this call's own
+    # product (float() returns it as is for float32 x), so it is scaled in place.
+    out.index_put_((groups.token_ids,), y.float().mul_(weights.unsqueeze(1)), accumulate=True)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

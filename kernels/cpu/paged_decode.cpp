@@ -314,6 +314,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // Defined in bf16_gemm.cpp.
 torch::Tensor bf16_gemm_pack(torch::Tensor w);
 torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_features, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_grouped_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor offsets, int64_t out_features,
+                                c10::optional<torch::Tensor> bias);
 bool bf16_gemm_supported();
 // Defined in quant_gemm.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int64_t group_size, torch::Tensor scale,
@@ -346,6 +348,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask, "logits of tokens a row's packed int32 mask disallows to -inf, in place");
   m.def("bf16_gemm_pack", &bf16_gemm_pack, "a bfloat16 [N, K] weight in bf16_gemm's panel layout");
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T (+ bias) over a packed bfloat16 weight (AVX512-BF16)");
+  m.def("bf16_grouped_gemm", &bf16_grouped_gemm, "each expert's rows of x times its packed weight, one call "
+        "for a mixture-of-experts layer (AVX512-BF16)");
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether this build has the AVX512-BF16 GEMM");
   m.def("quant_gemm", &quant_gemm, "x @ dequantize(codes).T (+ bias) over 4-bit, 8-bit or fp8 codes (AVX512-BF16)",
         py::arg("x"), py::arg("codes"), py::arg("kind"), py::arg("group_size"), py::arg("scale"), py::arg("offset"),

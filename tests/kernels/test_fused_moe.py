@@ -221,6 +221,30 @@ def test_cpu_path_in_bfloat16(gen, gemm, activation):
             assert err <= 2 ** -5 * scale, f"{name} vs float64: {err:.3g} > {2 ** -5 * scale:.3g}"
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_grouped_gemm_equals_the_per_expert_calls(gen, monkeypatch, activation):
+    """bf16_grouped_gemm (one call per projection for every active expert) gives each row bit for bit what
+    one bf16_gemm call per expert gives: experts with no rows, one expert taking every row, biases, and
+    more rows than one block of 64."""
+    from kernels.cpu import load
+
+    mod = load()
+    if mod is None or not mod.bf16_gemm_supported():
+        pytest.skip("no AVX512-BF16 build of kernels.cpu here")
+    for tokens, routing, bias, top_k in ((13, "topk", False, 2), (9, "repeats", True, 3), (70, "one_expert", True, 1),
+                                         (11, "skip_expert", False, 2), (1, "topk", True, 2)):
+        case = make_case(gen, tokens, 64, 40, 6, top_k, routing, bias=bias, dtype=torch.bfloat16)
+        packed = pack_experts_cpu(case["w_gate_up"], case["w_down"], case["b_gate_up"], case["b_down"], gemm="avx512")
+        args = (case["x"], None, None, case["topk_ids"], case["topk_weights"], activation)
+        grouped = fused_experts_cpu(*args, packed=packed)
+        monkeypatch.setattr(moe_cpu, "_grouped", lambda *_: False)
+        per_expert = fused_experts_cpu(*args, packed=packed)
+        monkeypatch.undo()
+        assert torch.equal(grouped, per_expert), routing
+    with pytest.raises(RuntimeError, match="offsets"):
+        mod.bf16_grouped_gemm(case["x"], packed.gate_up, torch.tensor([0, 5, 3, 3, 3, 3, 3]), 80, None)
+
+
 def test_cpu_path_runs_only_active_experts(gen, monkeypatch):
     tokens, experts_n = 12, 8
     case = make_case(gen, tokens, 16, 8, experts_n, 2, "topk")

@@ -1,8 +1,9 @@
-"""Each quantized format, written here in its exact on-disk layout from a random Llama-shaped (and one
-Qwen2-shaped) model: pagedserve's greedy output in float32 is token-identical to transformers running the
-dequantized weights (with the checkpoint's activation quantization applied to every quantized layer's
-input, for W8A8 checkpoints); in bfloat16, through the C++ quantized GEMM, within the Llama tests'
-tolerance of float32. Chunked prefill and preemption are active, as in tests/engine/test_llama.py."""
+"""Each quantized format, written here in its exact on-disk layout from a random Llama-shaped and a
+Qwen3-shaped model (per-head q/k norms, a head_dim of its own; and one Qwen2-shaped variant): pagedserve's
+greedy output in float32 is token-identical to transformers running the dequantized weights (with the
+checkpoint's activation quantization applied to every quantized layer's input, for W8A8 checkpoints); in
+bfloat16, through the C++ quantized GEMM, within the Llama tests' tolerance of float32. Chunked prefill
+and preemption are active, as in tests/engine/test_llama.py. The projections stay packed in memory."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ QWEN2 = {"qwen2-gptq-4bit-g32-asym": (w.write_gptq, {"bits": 4, "group": 32, "sy
 def float_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("float")
     return {"llama": make_tiny_model(root / "llama"),
-            "qwen2": make_tiny_model(root / "qwen2", "qwen2", num_key_value_heads=4)}
+            "qwen2": make_tiny_model(root / "qwen2", "qwen2", num_key_value_heads=4),
+            "qwen3": make_tiny_model(root / "qwen3", "qwen3", perturb_norms=True, head_dim=32)}
 
 
 def quantize_like_the_checkpoint(x: torch.Tensor, act: dict) -> torch.Tensor:
@@ -69,17 +71,18 @@ def reference_model(ref_dir, act: dict | None):
     return hf
 
 
-def write(variant, float_models, tmp_path):
+def write(variant, float_models, tmp_path, arch: str = "llama"):
     writer, kwargs = {**VARIANTS, **QWEN2}[variant]
-    arch = "qwen2" if variant in QWEN2 else "llama"
+    arch = "qwen2" if variant in QWEN2 else arch
     out, ref = tmp_path / "quantized", tmp_path / "reference"
     act = writer(float_models[arch], out, ref, **kwargs)
     return out, ref, act
 
 
-@pytest.mark.parametrize("variant", sorted({**VARIANTS, **QWEN2}))
-def test_float32_greedy_matches_transformers_on_the_dequantized_weights(variant, float_models, tmp_path):
-    out, ref, act = write(variant, float_models, tmp_path)
+@pytest.mark.parametrize("arch,variant", [("llama", v) for v in sorted({**VARIANTS, **QWEN2})]
+                         + [("qwen3", v) for v in sorted(VARIANTS)])
+def test_float32_greedy_matches_transformers_on_the_dequantized_weights(arch, variant, float_models, tmp_path):
+    out, ref, act = write(variant, float_models, tmp_path, arch)
     rng = random.Random(sum(map(ord, variant)))
     prompts = [[rng.randrange(100, 49152) for _ in range(n)] for n in (3, 17, 40, 90)]
     llm = LLM(model=str(out), dtype="float32", block_size=16, num_kv_blocks=12, max_num_batched_tokens=32)
@@ -87,7 +90,7 @@ def test_float32_greedy_matches_transformers_on_the_dequantized_weights(variant,
     assert llm.core.scheduler.num_preemptions > 0, "the pool is sized so that preemption happens"
     hf = reference_model(ref, act)
     for p, o in zip(prompts, outs, strict=True):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16), f"{variant}: prompt of {len(p)} tokens diverged"
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16), f"{arch} {variant}: {len(p)}-token prompt diverged"
 
 
 @pytest.mark.parametrize("variant", ["gptq-4bit-g16-asym-desc_act", "awq-4bit-g32", "ct-int8-w8a8",
@@ -100,3 +103,21 @@ def test_bfloat16_stays_close_to_float32(variant, float_models, tmp_path):
     b = LLM(model=str(out), dtype="bfloat16").generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert a.token_ids[0] == b.token_ids[0]
     assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.3  # the Llama tests' tolerance
+
+
+@pytest.mark.parametrize("variant,bits", [("fp8-block-48x32", 8), ("ct-fp8-channel-dynamic", 8), ("ct-int8-w8a8", 8),
+                                          ("gptq-4bit-g32-sym", 4), ("awq-4bit-g32", 4), ("ct-w4a16-g32", 4)])
+def test_the_projections_stay_packed(variant, bits, float_models, tmp_path):
+    """The decoder projections' bytes as the engine accounts them, against the same model in bf16: codes
+    at `bits` per weight plus each format's scales (and zero points) as stored; the embedding and norms,
+    which the formats leave alone, are the same in both and cancel."""
+    out, ref, _ = write(variant, float_models, tmp_path)
+    packed = LLM(model=str(out), dtype="bfloat16", num_kv_blocks=64).runner.model.weight_bytes
+    plain = LLM(model=str(ref), dtype="bfloat16", num_kv_blocks=64).runner.model.weight_bytes
+    hidden, inter, layers = 64, 128, 2
+    projections = layers * (hidden * (hidden + 2 * 32 + hidden) + 3 * hidden * inter)  # q, k, v (2 heads), o, MLP
+    ratio = (packed - (plain - 2 * projections)) / (2 * projections)
+    print(f"{variant}: projections {ratio:.3f}x bf16")
+    # 8-bit codes cost 0.5x bf16 and 4-bit ones 0.25x; scales (a float per row, per block or per 32 columns,
+    # and GPTQ/AWQ's zero points) add at most 0.1x here.
+    assert bits / 16 <= ratio <= bits / 16 + 0.1, ratio
