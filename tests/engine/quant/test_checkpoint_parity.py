@@ -3,11 +3,13 @@ Qwen3-shaped model (per-head q/k norms, a head_dim of its own; and one Qwen2-sha
 greedy output in float32 is token-identical to transformers running the dequantized weights (with the
 checkpoint's activation quantization applied to every quantized layer's input, for W8A8 checkpoints); in
 bfloat16, through the C++ quantized GEMM, within the Llama tests' tolerance of float32. Chunked prefill
-and preemption are active, as in tests/engine/test_llama.py. The projections stay packed in memory."""
+and preemption are active, as in tests/engine/test_llama.py; a tie in transformers' own logits is the only
+accepted difference, and the test says so when one happens. The projections stay packed in memory."""
 
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -90,7 +92,25 @@ def test_float32_greedy_matches_transformers_on_the_dequantized_weights(arch, va
     assert llm.core.scheduler.num_preemptions > 0, "the pool is sized so that preemption happens"
     hf = reference_model(ref, act)
     for p, o in zip(prompts, outs, strict=True):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16), f"{arch} {variant}: {len(p)}-token prompt diverged"
+        equal_or_tie(hf, p, o.outputs[0].token_ids, hf_greedy(hf, p, 16), f"{arch} {variant}: {len(p)}-token prompt")
+
+
+TIE = 0.02  # logits; float32 sums in another order (chunked prefill) move a logit by far less
+
+
+def equal_or_tie(hf, prompt: list[int], got: list[int], want: list[int], what: str) -> None:
+    """Token-identical, or the first difference is a tie in transformers' own logits: pagedserve took its
+    runner-up within TIE of its choice (W8A8's per-token activation rounding can turn a float32 difference
+    in the last bits into a different e4m3 code, so a near-tie can flip). Said when it happens."""
+    if got == want:
+        return
+    i = next(j for j in range(len(want)) if got[j] != want[j])
+    with torch.no_grad():
+        top = torch.topk(hf(torch.tensor([prompt + want[:i]])).logits[0, -1], 2)
+    margin = float(top.values[0] - top.values[1])
+    assert got[i] == int(top.indices[1]) and margin < TIE, f"{what} diverged at token {i} (margin {margin:.4f})"
+    warnings.warn(f"{what}: a tie in transformers' logits at token {i} (margin {margin:.4f}); the rest not compared",
+                  stacklevel=2)
 
 
 @pytest.mark.parametrize("variant", ["gptq-4bit-g16-asym-desc_act", "awq-4bit-g32", "ct-int8-w8a8",
