@@ -144,7 +144,9 @@ def run_and_check(name: str, llm: LLM, prompts, want) -> None:
 # The expert layers split like dense MLPs (services/engine/models/expert_weights.py) and MLA by heads with
 # the latent cache replicated; gpt-oss's sinks per query head.
 TP_VARIANTS = ["gemma2-softcaps", "llama-biases-gelu", "phi3-longrope-window", "qwen3-moe-dense-first",
-               "deepseek-v3-mla", "gpt-oss-sinks"]
+               "deepseek-v3-mla", "gpt-oss-sinks",
+               # and every other dense family: per-head q/k norms split with the heads, windowed KV groups
+               "gemma3-local-global", "qwen3-head-dim", "mistral-window", "qwen2-window-layers"]
 
 
 @pytest.mark.parametrize("name", TP_VARIANTS)
