@@ -182,6 +182,14 @@ class RankGroup:
         self.device_group.allreduce([x]).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of `x` over the group, in place (the absmax of an input that row-parallel
+        layers hold split across ranks, for activation scales the checkpoint computes over the whole row)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.device_group.allreduce([x], opts).wait()
+        return x
+
     def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `x` (same shape everywhere) on rank 0, in rank order; None on the others."""
         opts = dist.GatherOptions()

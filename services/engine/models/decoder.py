@@ -126,6 +126,11 @@ class DecoderModel:
                 ropes[attn.rope] = RotaryEmbedding(attn.rope, self.max_model_len, device)
             self.layers.append(DecoderLayer(w, c, linear, ropes[attn.rope], window, g, self.num_heads,
                                             triton_experts))
+        if group is not None:  # row-parallel inputs are split: dynamic activation scales take the whole row's max
+            for layer in self.layers:
+                for row_parallel in (layer.o, layer.down, None if layer.mla is None else layer.mla.o):
+                    if hasattr(row_parallel, "input_max_reduce"):
+                        row_parallel.input_max_reduce = group.all_reduce_max
         self.ropes = list(ropes.values())
         self.norm = RMSNorm(weights["norm"], c.rms_norm_eps, c.norm_offset_one, c.norm_float_product)
         self.lm_head = linear(weights["lm_head"])

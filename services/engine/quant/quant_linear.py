@@ -31,18 +31,23 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 
 
-def quantize_activation(x: torch.Tensor, act: ActivationQuant, input_scale: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, act: ActivationQuant, input_scale: torch.Tensor | None,
+                        reduce_max=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, s): the input's quantized values (as float32: e4m3 values or integers) and their scales, shaped
-    to broadcast over q ([T, 1] per token, [1, 1] per tensor, [T, K] per group), so x ~ q * s."""
+    to broadcast over q ([T, 1] per token, [1, 1] per tensor, [T, K] per group), so x ~ q * s.
+
+    `reduce_max`: for a row-parallel layer under tensor parallelism, the group's in-place maximum: a rank
+    holds only its slice of each input row, and a per-token or per-tensor scale is the whole row's absmax
+    (groups along the input are split whole, so theirs need no reduction)."""
     xf = x.float()
     top = FP8_MAX if act.dtype == "fp8" else INT8_MAX
     if not act.dynamic:
         s = input_scale.float().reshape(1, 1).to(x.device)
-    elif act.granularity == "token":
-        s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / top
-    elif act.granularity == "tensor":
-        s = xf.abs().amax().clamp_min(1e-12).reshape(1, 1) / top
+    elif act.granularity in ("token", "tensor"):
+        amax = xf.abs().amax(dim=-1, keepdim=True) if act.granularity == "token" else xf.abs().amax().reshape(1, 1)
+        if reduce_max is not None:
+            amax = reduce_max(amax.contiguous())
+        s = amax.clamp_min(1e-12) / top
     else:  # 1 x group along the input
         t, k = xf.shape
         gs = act.group_size
@@ -70,7 +75,7 @@ class QuantLinear:
     """`weight`: the resident packed weight; `bias`: [N] or None; `act` and `input_scale`: the checkpoint's
     activation quantization (None: weight-only)."""
 
-    __slots__ = ("weight", "bias", "act", "input_scale", "dtype", "mod", "kernel_bias")
+    __slots__ = ("weight", "bias", "act", "input_scale", "dtype", "mod", "kernel_bias", "input_max_reduce")
 
     def __init__(self, weight: PanelWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
                  act: ActivationQuant | None = None, input_scale: torch.Tensor | None = None):
@@ -79,6 +84,8 @@ class QuantLinear:
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.mod = _cpu_kernel(device, dtype)
         self.kernel_bias = None
+        # Set by the model on row-parallel layers under tensor parallelism (quantize_activation's reduce_max).
+        self.input_max_reduce = None
         if self.mod is not None and bias is not None:  # float32, padded to the panels, added before rounding
             self.kernel_bias = torch.zeros(weight.codes.shape[0] * PANEL, dtype=torch.float32)
             self.kernel_bias[:weight.out_features] = bias.float()
@@ -91,7 +98,7 @@ class QuantLinear:
         w = self.weight
         row_scale = None
         if self.act is not None:
-            q, s = quantize_activation(x, self.act, self.input_scale)
+            q, s = quantize_activation(x, self.act, self.input_scale, self.input_max_reduce)
             if self.mod is not None and s.shape[1] == 1:
                 # q holds e4m3 values or integers in [-128, 127]: exact in bfloat16; the scale is applied to
                 # the float32 accumulator, per row.

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services import LLM, SamplingParams
-from tests.engine.conftest import hf_greedy, make_tiny_model
+from tests.engine.conftest import hf_greedy
 from tests.engine.quant import checkpoint_writers as w
 
 VARIANTS = {
@@ -34,14 +34,6 @@ VARIANTS = {
     "fp8-tensor": (w.write_fp8, {"block": None}),
 }
 QWEN2 = {"qwen2-gptq-4bit-g32-asym": (w.write_gptq, {"bits": 4, "group": 32, "sym": False})}
-
-
-@pytest.fixture(scope="module")
-def float_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("float")
-    return {"llama": make_tiny_model(root / "llama"),
-            "qwen2": make_tiny_model(root / "qwen2", "qwen2", num_key_value_heads=4),
-            "qwen3": make_tiny_model(root / "qwen3", "qwen3", perturb_norms=True, head_dim=32)}
 
 
 def quantize_like_the_checkpoint(x: torch.Tensor, act: dict) -> torch.Tensor:
