@@ -55,3 +55,24 @@ def peft_greedy(model, adapter: str | None, prompt: list[int], n: int) -> list[i
             model.set_adapter(adapter)
             out = model.generate(input_ids=ids, **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def check_adapter_matches_peft(model_dir: Path, adapter: Path, reference, prompts: list[list[int]], what: str,
+                               max_tokens: int = 8) -> None:
+    """Serve `model_dir` with `adapter` as "A" (blocks of 4, chunks of 16, preemption forced) on prompts with
+    and without it; each greedy output equals PEFT's `reference`, and the adapter changes the output."""
+    from services import LLM, SamplingParams
+    from tests.engine.models.test_families import ForcedPreemption
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
+              max_loras=1, max_lora_rank=8)
+    llm.load_lora("A", str(adapter))
+    llm.step_hook = ForcedPreemption()
+    names = ["A", None, "A", "A"][:len(prompts)]
+    outs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=names)
+    assert llm.core.scheduler.num_preemptions >= 1
+    for p, n, o in zip(prompts, names, outs, strict=True):
+        assert o.outputs[0].token_ids == peft_greedy(reference, n, p, max_tokens), f"{what}, adapter {n}"
+    assert peft_greedy(reference, None, prompts[0], max_tokens) != outs[0].outputs[0].token_ids, \
+        "the adapter must change the output"

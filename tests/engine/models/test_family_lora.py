@@ -9,8 +9,8 @@ import pytest
 
 from services import LLM, SamplingParams
 from tests.engine.conftest import make_tiny_model
-from tests.engine.lora_adapters import peft_greedy, peft_model, save_random_adapter
-from tests.engine.models.test_families import VARIANTS, ForcedPreemption, prompts_for
+from tests.engine.lora_adapters import check_adapter_matches_peft, peft_model, save_random_adapter
+from tests.engine.models.test_families import VARIANTS, prompts_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -21,18 +21,7 @@ def test_adapters_match_peft(name, tmp_path):
     model_dir = make_tiny_model(tmp_path / name, arch, perturb_norms=True, **overrides)
     adapter = save_random_adapter(model_dir, tmp_path / "adapter", seed=3)
     reference = peft_model(model_dir, {"A": adapter})
-    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
-              max_loras=1, max_lora_rank=8)
-    llm.load_lora("A", str(adapter))
-    llm.step_hook = ForcedPreemption()
-    prompts = prompts_for(name, 12)[:4]
-    names = ["A", None, "A", "A"]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=names)
-    assert llm.core.scheduler.num_preemptions >= 1
-    for p, n, o in zip(prompts, names, outs, strict=True):
-        assert o.outputs[0].token_ids == peft_greedy(reference, n, p, GREEDY.max_tokens), f"{name}, adapter {n}"
-    assert peft_greedy(reference, None, prompts[0], GREEDY.max_tokens) != outs[0].outputs[0].token_ids, \
-        "the adapter must change the output"
+    check_adapter_matches_peft(model_dir, adapter, reference, prompts_for(name, 12)[:4], name)
 
 
 def test_fused_phi3_modules_are_refused_by_name(tmp_path):

@@ -10,11 +10,8 @@ import pytest
 
 from services import LLM, SamplingParams
 from tests.engine.conftest import hf_greedy
-from tests.engine.lora_adapters import peft_greedy, peft_model, save_random_adapter
-from tests.engine.models.test_families import ForcedPreemption
+from tests.engine.lora_adapters import check_adapter_matches_peft, peft_model, save_random_adapter
 from tests.engine.quant.test_checkpoint_parity import equal_or_tie, reference_model, write
-
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _prompts(seed: str) -> list[list[int]]:
@@ -29,16 +26,7 @@ def test_lora_on_a_quantized_base_matches_peft_on_the_dequantized_one(variant, f
     assert act is None
     adapter = save_random_adapter(ref, tmp_path / "adapter", seed=5)
     reference = peft_model(ref, {"A": adapter})
-    llm = LLM(model=str(out), dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=400,
-              max_loras=1, max_lora_rank=8)
-    llm.load_lora("A", str(adapter))
-    llm.step_hook = ForcedPreemption()
-    prompts, names = _prompts(variant), ["A", None, "A", "A"]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=names)
-    assert llm.core.scheduler.num_preemptions >= 1
-    for p, n, o in zip(prompts, names, outs, strict=True):
-        assert o.outputs[0].token_ids == peft_greedy(reference, n, p, GREEDY.max_tokens), f"{variant}, adapter {n}"
-    assert peft_greedy(reference, None, prompts[0], 8) != outs[0].outputs[0].token_ids, "the adapter changes it"
+    check_adapter_matches_peft(out, adapter, reference, _prompts(variant), variant)
 
 
 @pytest.mark.parametrize("variant", ["gptq-4bit-g32-sym", "awq-4bit-g32", "fp8-block-48x32", "ct-fp8-channel-dynamic",
