@@ -53,6 +53,15 @@ def _launcher(module: str, name: str):
                                   f"on the CPU call kernels.{name}_ref", name="triton") from e
 
 
+def quant_gemm(x: torch.Tensor, codes: torch.Tensor, kind: int, group_size: int, scale: torch.Tensor,
+               offset: torch.Tensor | None, zero: torch.Tensor | None, zero_const: float, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T (+ bias)` over a packed quantized weight (services/engine/quant/panel_weight.py's layout),
+    dequantized inside the Triton kernel; the C++ `kernels.cpu` quant_gemm's twin for CUDA."""
+    return _launcher("triton_quant_gemm", "quant_gemm")(x, codes, kind, group_size, scale, offset, zero, zero_const,
+                                                         out_features, bias)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, slots_checked: bool = False) -> None:
     """Scatter new keys/values `[num_tokens, num_kv_heads, head_dim]` into their slots; slot -1 is skipped.
@@ -113,6 +122,6 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 __all__ = [
     "align_block_size", "decode_attention", "decode_attention_ref", "fused_experts", "fused_experts_cpu",
     "fused_experts_ref", "group_by_expert", "linear_experts_cpu", "moe_activation", "pack_experts_cpu",
-    "prefill_attention",
+    "prefill_attention", "quant_gemm",
     "prefill_attention_ref", "triton_available", "write_kv", "write_kv_ref",
 ]

@@ -3,7 +3,9 @@
 `QuantLinear(x)` computes `x @ w.T (+ bias)` for a `PanelWeight` w:
 - bfloat16 on a CPU with AVX512-BF16: the C++ GEMM (kernels/cpu/quant_gemm.cpp) dequantizes inside the
   kernel; the weight stays packed in memory.
-- anything else (float32, float16, CUDA, a CPU without the kernel): the PyTorch reference, which
+- CUDA (or the CPU under Triton's interpreter with PAGEDSERVE_QUANT_KERNEL=triton, for tests): the Triton
+  GEMM (kernels/triton_quant_gemm.py) over the same packed layout, dequantizing inside the kernel.
+- anything else (float32 or float16 on the CPU, a CPU without the kernel): the PyTorch reference, which
   dequantizes the weight for the call and runs F.linear. In float32 this is the specification the
   parity tests hold to transformers running the dequantized weights.
 
@@ -18,6 +20,7 @@ what it is batched with.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -75,19 +78,20 @@ class QuantLinear:
     """`weight`: the resident packed weight; `bias`: [N] or None; `act` and `input_scale`: the checkpoint's
     activation quantization (None: weight-only)."""
 
-    __slots__ = ("weight", "bias", "act", "input_scale", "dtype", "mod", "kernel_bias", "input_max_reduce")
+    __slots__ = ("weight", "bias", "act", "input_scale", "dtype", "mod", "kernel_bias", "input_max_reduce", "triton")
 
     def __init__(self, weight: PanelWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
                  act: ActivationQuant | None = None, input_scale: torch.Tensor | None = None):
         self.weight, self.act, self.dtype = weight, act, dtype
         self.input_scale = None if input_scale is None else input_scale.float().to(device)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
-        self.mod = _cpu_kernel(device, dtype)
+        self.triton = device.type == "cuda" or os.environ.get("PAGEDSERVE_QUANT_KERNEL") == "triton"
+        self.mod = None if self.triton else _cpu_kernel(device, dtype)
         self.kernel_bias = None
         # Set by the model on row-parallel layers under tensor parallelism (quantize_activation's reduce_max).
         self.input_max_reduce = None
-        if self.mod is not None and bias is not None:  # float32, padded to the panels, added before rounding
-            self.kernel_bias = torch.zeros(weight.codes.shape[0] * PANEL, dtype=torch.float32)
+        if (self.mod is not None or self.triton) and bias is not None:  # float32, padded to the panels
+            self.kernel_bias = torch.zeros(weight.codes.shape[0] * PANEL, dtype=torch.float32, device=device)
             self.kernel_bias[:weight.out_features] = bias.float()
 
     @property
@@ -107,6 +111,11 @@ class QuantLinear:
                 x = (q * s).to(self.dtype)
         if w.perm is not None:
             x = x.index_select(1, w.perm)
+        if self.triton:
+            import kernels
+
+            return kernels.quant_gemm(x, w.codes, w.kind, w.group_size, w.scale, w.offset, w.zero, w.zero_const,
+                                      w.out_features, self.kernel_bias)
         if self.mod is None:
             return F.linear(x, w.dequantize(x.dtype), self.bias)
         return self.mod.quant_gemm(x, w.codes, w.kind, w.group_size, w.scale, w.offset, w.zero, w.zero_const,
