@@ -164,7 +164,7 @@ def _expert_forward(experts: CpuExperts, e: int, xs: torch.Tensor, activation: s
     return _gemm(experts, h, experts.down[e], experts.hidden, pick(experts.b_down))
 
 
-def _grouped(experts: CpuExperts, x: torch.Tensor) -> bool:
+def _grouped(experts: CpuExperts) -> bool:
     """Whether one bf16_grouped_gemm call per projection can run the layer (pagedserve's AVX512-BF16 panels,
     even K on both GEMMs, a build that has it)."""
     return (experts.kind == "avx512" and experts.hidden % 2 == 0 and experts.inter % 2 == 0
@@ -223,15 +223,15 @@ def fused_experts_cpu(x: torch.Tensor, w_gate_up: torch.Tensor | None, w_down: t
         from kernels.cpu import load
 
         fused = load()  # None without a compiler: moe_activation then
-    counts, offsets = groups.counts.tolist(), groups.offsets.tolist()
     # One gather of every pair's row in the grouped order; each expert then reads a contiguous slice of it,
     # and its outputs are concatenated back in the same order: per active expert only the two GEMMs and
     # the activation run (a decode step of a 64-expert model has ~50 active experts per layer, so every
     # per-expert op saved is ~50 small torch calls per layer).
     xs = x.index_select(0, groups.token_ids)
-    if _grouped(experts, x):
+    if _grouped(experts):
         y = _grouped_forward(experts, xs, groups.offsets, activation, alpha, limit, fused)
-    else:
+    else:  # the per-expert calls read the counts on the host (the grouped GEMM reads the offsets itself)
+        counts, offsets = groups.counts.tolist(), groups.offsets.tolist()
         ys = [_expert_forward(experts, e, xs.narrow(0, offsets[e], n), activation, alpha, limit, fused)
               for e, n in enumerate(counts) if n]
         y = (ys[0] if len(ys) == 1 else torch.cat(ys)) if ys else xs
