@@ -34,6 +34,27 @@ class StepRecord:
     parts: dict[str, float]
 
 
+class _Timed:
+    """Calls `inner` and adds its wall time to the profiler's `part`; any other attribute is the inner
+    object's (the engine reads an expert layer's counters and a linear's fields between calls)."""
+
+    __slots__ = ("_inner", "_part", "_profiler")
+
+    def __init__(self, inner, part: str, profiler: StepProfiler):
+        self._inner, self._part, self._profiler = inner, part, profiler
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            self._profiler._acc[self._part] += time.perf_counter() - t
+            self._profiler.wrapped_calls += 1
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 @dataclass
 class StepProfiler:
     records: list[StepRecord] = field(default_factory=list)
@@ -44,28 +65,15 @@ class StepProfiler:
     _exec: list[float] = field(default_factory=lambda: [0.0, 0.0])  # execute, forward
 
     def _timed(self, fn, part: str):
-        acc = self._acc
-
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc[part] += time.perf_counter() - t
-                self.wrapped_calls += 1
-
-        return wrapper
+        return _Timed(fn, part, self)
 
     def _patch(self, obj, name: str, part: str) -> None:
-        had = name in vars(obj)
+        # An attribute of the instance (its __dict__ or a slot) is put back; a method found on the class is
+        # restored by deleting the wrapper.
+        had = name in vars(obj) if hasattr(obj, "__dict__") else True
         orig = getattr(obj, name)
         setattr(obj, name, self._timed(orig, part))
         self._restore.append((obj, name, orig if had else None))
-
-    def _patch_item(self, d: dict, key: str, part: str) -> None:
-        orig = d[key]
-        d[key] = self._timed(orig, part)
-        self._restore.append((d, key, orig))
 
     def attach(self, llm) -> None:
         """Wrap the pieces of `llm`'s in-process engine (rank 0: the only one with tensor parallelism 1)."""
@@ -77,8 +85,12 @@ class StepProfiler:
         self._patch(backend, "decode", "decode_attention")
         self._patch(backend, "prefill", "prefill_attention")
         for layer in model.layers:
-            for key in ("qkv", "o", "gate_up", "down"):
-                self._patch_item(layer, key, "gemm")
+            # The dense attention and MLP linears, and an expert layer as a whole (its router, grouped GEMMs
+            # and scatter count as GEMMs). A part a family lacks is None. MLA's projections stay in "the
+            # rest": its module calls attention in the middle, which is timed apart.
+            for name in ("qkv", "o", "gate_up", "down", "moe"):
+                if getattr(layer, name, None) is not None:
+                    self._patch(layer, name, "gemm")
         self._patch(model, "lm_head", "lm_head")
         self._patch(runner, "sampler", "sampling")
         exec_acc = self._exec
@@ -105,9 +117,7 @@ class StepProfiler:
 
     def detach(self) -> None:
         for obj, name, orig in reversed(self._restore):
-            if isinstance(obj, dict):
-                obj[name] = orig
-            elif orig is None:
+            if orig is None:
                 delattr(obj, name)
             else:
                 setattr(obj, name, orig)

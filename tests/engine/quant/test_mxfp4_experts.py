@@ -98,3 +98,15 @@ def test_the_triton_expert_kernel_refuses_them(mxfp4_model):
     out, _, _, _ = mxfp4_model
     with pytest.raises(UnsupportedModelError, match="MXFP4"):
         LLM(model=str(out), dtype="float32", num_kv_blocks=64, attention_backend="triton")
+
+
+def test_a_nan_scale_is_refused_naming_the_tensor():
+    from services.engine.quant.formats import mxfp4
+
+    blocks = torch.zeros(4, 2, 16, dtype=torch.uint8)
+    scales = torch.full((4, 2), 127, dtype=torch.uint8)
+    assert mxfp4.read_expert(blocks, scales, "ok").source == "ok"
+    scales[2, 1] = 255
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.down_proj_scales.*255.*rows \[2\]"):
+        mxfp4.read_expert(blocks, scales, "layers.0.mlp.experts.down_proj_scales")
+

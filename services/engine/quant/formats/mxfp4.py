@@ -23,6 +23,7 @@ import torch
 from services.engine.quant.packed_weight import FP4_VALUES, QuantizedWeight, fp4_lookup
 
 BLOCK = 32
+NAN_EXPONENT = 255  # E8M0's one reserved code
 
 
 def unpack_codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,11 @@ def read_expert(blocks: torch.Tensor, scales: torch.Tensor, source: str) -> Quan
     if blocks.dim() != 3 or blocks.shape[2] != BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:2]):
         raise ValueError(f"{source}: expected blocks [N, K/32, 16] and scales [N, K/32]; got "
                          f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
+    if bool((scales == NAN_EXPONENT).any()):
+        # transformers' ldexp turns it into inf weights; the OCP MX spec says the block is NaN. Either way
+        # no finite weight is stored there, so the checkpoint is refused rather than served as infinities.
+        rows = sorted({int(r) for r in (scales == NAN_EXPONENT).nonzero()[:, 0][:8]})
+        raise ValueError(f"{source}: MXFP4 scale exponent {NAN_EXPONENT} (NaN in the OCP MX spec) in rows {rows}")
     return QuantizedWeight(unpack_codes(blocks), 4, BLOCK, block_scales(scales), fp4=True, source=source)
 
 
