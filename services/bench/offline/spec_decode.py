@@ -111,6 +111,32 @@ def step_cost_curve(llm, context: int = 256, sizes=(1, 2, 3, 5, 9, 17, 33, 65), 
             "knee_tokens": round(a / b, 1) if b > 0 else None}
 
 
+def lookup_ceiling(prompts: list[list[int]], outputs: list[list[int]], spec_cfg, fit_ms: dict) -> dict:
+    """What prompt lookup can give on these greedy outputs at best: each step drafts what the proposer
+    offers from the prompt and the output so far, verification keeps the draft's agreeing prefix plus one
+    token, and a step of T tokens costs a + b*T (the measured fit). No turn-down, no scheduling cost: an
+    upper bound on the n-gram method's speedup for this model and workload, whatever the engine does."""
+    from services.scheduler.spec_decode.ngram import propose_ngram
+
+    a, b = fit_ms["a"], fit_ms["b"]
+    steps = tokens = 0
+    cost = 0.0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        i = 0
+        while i < len(out):
+            draft = propose_ngram(list(prompt) + list(out[:i]), spec_cfg.prompt_lookup_min,
+                                  spec_cfg.prompt_lookup_max, spec_cfg.num_speculative_tokens)
+            agree = next((j for j, (d, t) in enumerate(zip(draft, out[i:], strict=False)) if d != t),
+                         min(len(draft), len(out) - i))
+            made = min(agree + 1, len(out) - i)
+            i += made
+            steps += 1
+            tokens += made
+            cost += a + b * (1 + len(draft))
+    plain = tokens * (a + b)
+    return {"tokens_per_step": tokens / steps if steps else None, "speedup": plain / cost if cost else None}
+
+
 def _identity(args, plain, spec, chats) -> dict:
     """Share of identical greedy outputs; at each first difference, the target's top-2 log-prob gap."""
     from services import SamplingParams
@@ -162,6 +188,9 @@ def run(args) -> int:
                  "plain": _summary(rows["plain"]), "spec": _summary(rows["spec"]),
                  "passes": {k: [{x: v for x, v in r.items() if x != "outputs"} for r in rs] for k, rs in rows.items()}}
         entry["speedup_of_medians"] = entry["spec"]["tokens_per_s_median"] / entry["plain"]["tokens_per_s_median"]
+        if batch == 1 and spec_cfg.method == "ngram":
+            entry["lookup_ceiling"] = lookup_ceiling(prompts, rows["plain"][0]["outputs"], spec_cfg,
+                                                     report["step_cost"]["fit_ms"])
         report["batches"].append(entry)
         s, q = entry["spec"], entry["plain"]
         rate = f"{s['acceptance_rate']:.2f}" if s.get("acceptance_rate") is not None else "-"
@@ -171,6 +200,10 @@ def run(args) -> int:
               f"{s['tokens_per_s_max']:.1f}]  x{entry['speedup_of_medians']:.2f}  acceptance {rate}, mean "
               f"length {length}, draft tokens {s.get('draft_tokens')}, knee {s.get('knee_tokens', 0):.1f}, "
               f"identical {same}", flush=True)
+        if "lookup_ceiling" in entry:
+            c = entry["lookup_ceiling"]
+            print(f"           prompt lookup's ceiling on these outputs: {c['tokens_per_step']:.2f} tokens per step, "
+                  f"x{c['speedup']:.2f} at the measured step costs (no turn-down, no scheduling cost)", flush=True)
     if args.identity:
         report["identity"] = _identity(args, plain, spec, copy_heavy_chats(args.identity, seed=args.seed + 1))
         print(f"identity: {report['identity']}", flush=True)
