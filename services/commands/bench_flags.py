@@ -94,6 +94,13 @@ def add_bench(sub) -> None:
     qb.add_argument("--kv-max-tokens", type=V.integer(1), default=32)
     qb.add_argument("--json", dest="json_path", default=None)
     qb.set_defaults(handler="services.bench.offline.quant_formats:run")
+    gk = bsub.add_parser("gemm", help="the CPU linears' kernels alone at the model's shapes (pagedserve's "
+                         "bf16_gemm and PyTorch's oneDNN linear, GFLOP/s) and the memory's copy rate")
+    gk.add_argument("--model", default=None, help="whose linear shapes (default: the bundled model)")
+    gk.add_argument("--rows", type=V.positive_ints, default=[1, 16, 64, 256], help="row counts m, comma-separated")
+    gk.add_argument("--seed", type=V.integer(), default=0)
+    gk.add_argument("--json", dest="json_path", default=None)
+    gk.set_defaults(handler="services.bench.offline.gemm_kernels:run")
     ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
                          "alternating runs in one command, ratio of medians")
     ba.add_argument("--before", required=True, help="the earlier git revision (checked out in a temporary worktree)")
