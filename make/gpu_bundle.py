@@ -20,8 +20,11 @@ from pathlib import Path
 # What services.device_check.run imports beyond torch and Triton (and torch's own dependencies), found by
 # running its dry run with an interpreter that holds only those (tests/device_check/test_gpu_bundle.py does).
 # The engine reads every config.json through transformers' own config classes (services/engine/models), so
-# transformers and what it imports at start come along (about 37 MiB in all).
-CHECK_REQUIREMENTS = ("numpy>=1.26", "xxhash>=3.4", "safetensors>=0.4", "transformers>=5,<5.25", "huggingface-hub",
+# transformers and what it imports at start come along (about 37 MiB in all). numpy below 2.4: the device's
+# Triton 3.6 interpreter (the GPU check's --dry-run) turns one-element arrays into loop bounds with int(),
+# which numpy 2.4 refuses ("only 0-dimensional arrays can be converted"; Triton 3.9 squeezes first); found by
+# running the offline dry run with Python 3.12, torch 2.11 and Triton 3.6, the device's stack.
+CHECK_REQUIREMENTS = ("numpy>=1.26,<2.4", "xxhash>=3.4", "safetensors>=0.4", "transformers>=5,<5.25", "huggingface-hub",
                       "tokenizers", "regex", "pyyaml", "packaging", "tqdm", "httpx2", "httpcore2", "h11", "idna",
                       "truststore")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
