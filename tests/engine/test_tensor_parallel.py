@@ -204,5 +204,9 @@ def test_each_of_two_ranks_holds_half_the_weights(tmp_path):
     assert one[0]["weight_bytes"] == total
     for rank in two:
         assert abs(rank["weight_bytes"] / total - 0.5) < 0.005  # the norms are replicated
-        assert rank["peak_growth_bytes"] < 0.65 * one[0]["peak_growth_bytes"], (one, two)
+        # Half the weights plus the part every rank has (runtime, kernels' scratch, activations, KV). On an
+        # AMX Xeon that is 0.60x of one rank's growth in this test alone (133 -> 77-80 MiB) and was 0.66x in
+        # one full make test run (148 -> 97-99), past the 0.65 first set here; a rank holding every weight
+        # would be ~1.0x.
+        assert rank["peak_growth_bytes"] < 0.75 * one[0]["peak_growth_bytes"], (one, two)
     assert one[0]["peak_growth_bytes"] > 0.6 * total, "the probe must page the weights in"
