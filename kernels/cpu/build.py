@@ -13,7 +13,13 @@ include paths, so two virtualenvs rebuild each other's build. Here:
   stale; whoever holds it may delete torch's leftover lock file, since no one else can be compiling;
 - a start that must compile says so, and a start that waits on another process's compile says whose,
   up to PAGEDSERVE_KERNEL_BUILD_TIMEOUT seconds (default 900), after which it gives up (the caller then
-  runs on the PyTorch references).
+  runs on the PyTorch references);
+- `-march=native` ties a build to the CPU it ran on, so the key also holds that CPU's instruction-set
+  flags: an image compiled on one CPU and started on another compiles its own build (or, with no compiler,
+  runs the references) rather than dying on an illegal instruction;
+- a container image compiles at build time into PAGEDSERVE_KERNEL_PREBUILT (docker/engine.Dockerfile): a
+  start whose key is found there imports that build directly, on a read-only root filesystem, with no
+  compiler, lock or ninja run.
 """
 
 from __future__ import annotations
@@ -62,13 +68,31 @@ def _compiler_identity() -> str:
     return f"{shutil.which(cxx) or cxx}: {out.splitlines()[0] if out else ''}"
 
 
-def build_key() -> str:
-    """A digest of every input of the build; a different one means a different build directory."""
+# The CPU flags a -march=native build may use: a CPU that lacks one of the build machine's cannot run it.
+_ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+              "avx512_fp16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def isa_fingerprint() -> str:
+    """The instruction-set flags of this CPU that a native build depends on ('' where unknown)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.partition(":")[2].split())
+    return " ".join(f for f in _ISA_FLAGS if f in have)
+
+
+def build_key(with_compiler: bool = True) -> str:
+    """A digest of every input of the build; a different one means a different build directory.
+    Without the compiler: the key a prebuilt build is found by (an image need not carry its compiler)."""
     import torch
     from torch.utils.cpp_extension import include_paths
 
     h = hashlib.sha256()
-    for part in (torch.__version__, sys.version, _compiler_identity(), " ".join(CFLAGS + LDFLAGS), str(HERE.resolve()),
+    for part in (torch.__version__, sys.version, _compiler_identity() if with_compiler else "",
+                 " ".join(CFLAGS + LDFLAGS), str(HERE.resolve()), isa_fingerprint(),
                  *(os.path.realpath(p) for p in include_paths())):
         h.update(part.encode() + b"\0")
     for path in [*SOURCES, *HEADERS]:
@@ -135,10 +159,35 @@ def acquire(lock: BuildLock, timeout: float) -> None:
         time.sleep(_POLL)
 
 
+def prebuilt():
+    """The build for this CPU, torch and these sources under PAGEDSERVE_KERNEL_PREBUILT, imported as it
+    lies (None when there is none)."""
+    root = os.environ.get("PAGEDSERVE_KERNEL_PREBUILT")
+    if not root:
+        return None
+    key = build_key(with_compiler=False)
+    found = sorted((Path(root) / f"cpu-{key}").glob(f"{module_name('')}*.so"))
+    if not found:
+        log.warning("no prebuilt CPU kernels for this CPU and torch under %s (key %s)", root, key)
+        return None
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension links against libtorch, loaded by importing torch)
+
+    name = found[0].name.split(".")[0]  # the module name it was compiled under (its PyInit_ symbol)
+    spec = importlib.util.spec_from_file_location(name, found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build():
     """Build (or load the cached build of) the extension; raises on any failure, BuildTimeout included."""
     from torch.utils.cpp_extension import load as load_ext
 
+    module = prebuilt()
+    if module is not None:
+        return module
     key = build_key()
     directory, name = build_dir(key), module_name(key)
     lock = BuildLock(directory.with_suffix(".lock"))
@@ -159,3 +208,25 @@ def build():
                         verbose=False)
     finally:
         lock.release()
+
+
+def prebuild(dest: Path) -> Path:
+    """Compile (or take the cached build) and copy the extension to dest/cpu-<key>/, where a start with
+    PAGEDSERVE_KERNEL_PREBUILT=dest finds it: what docker/engine.Dockerfile's CPU variant runs at build time."""
+    build()
+    key = build_key()
+    name = module_name(key)
+    target = Path(dest) / f"cpu-{build_key(with_compiler=False)}"
+    target.mkdir(parents=True, exist_ok=True)
+    for so in build_dir(key).glob(f"{name}*.so"):
+        shutil.copy2(so, target / so.name)
+    assert any(target.glob(f"{name}*.so")), f"no {name}*.so in {build_dir(key)}"
+    return target
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="compile the CPU kernels into a directory an image carries")
+    parser.add_argument("--prebuild", type=Path, required=True, metavar="DIR")
+    print(f"CPU kernels for [{isa_fingerprint()}] in {prebuild(parser.parse_args().prebuild)}")

@@ -94,6 +94,13 @@ def test_the_build_directory_is_keyed_by_what_changes_the_build(monkeypatch, tmp
     monkeypatch.setattr(build, "SOURCES", [other / p.name for p in build.SOURCES])
     monkeypatch.setattr(build, "HEADERS", [other / p.name for p in build.HEADERS])
     assert build.build_key() != base
+    monkeypatch.setattr(build, "HERE", build.HERE.__class__(build.__file__).parent)
+    monkeypatch.setattr(build, "SOURCES", [build.HERE / p.name for p in build.SOURCES])
+    monkeypatch.setattr(build, "HEADERS", [build.HERE / p.name for p in build.HEADERS])
+    assert build.build_key() == base
+    # Another CPU (a native build made on an AMX Xeon started on an AVX2-only EPYC): a build of its own.
+    monkeypatch.setattr(build, "isa_fingerprint", lambda: "avx avx2 fma")
+    assert build.build_key() != base
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     assert build.build_dir(base).is_relative_to(tmp_path)
 
@@ -107,3 +114,28 @@ def test_kernel_builds_and_converted_models_share_one_cache_root(monkeypatch, tm
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert build.cache_root() == cache_root()
+
+
+def test_an_images_prebuilt_kernels_load_read_only_with_no_compiler(tmp_path):
+    """What the CPU engine image does: kernels compiled at build time into a directory of the image, then
+    imported at start from a read-only copy, with an empty cache and no working compiler."""
+    from kernels.cpu import load
+
+    assert load() is not None, "the session's kernel build failed"
+    prebuilt = build.prebuild(tmp_path / "prebuilt")
+    assert prebuilt.name == f"cpu-{build.build_key(with_compiler=False)}"
+    assert [p.suffix for p in prebuilt.iterdir()] == [".so"]
+    for path in (prebuilt, prebuilt.parent):
+        path.chmod(0o555)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(cache), PAGEDSERVE_KERNEL_PREBUILT=str(prebuilt.parent),
+               CXX="/bin/false", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", LOAD + "; print(m.amx_available() in (True, False))"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["LOADED", "True"], done.stderr
+    assert not cache.exists(), "a prebuilt start wrote to the cache"
+    # A start on a CPU the image was not built for finds no build of its key there and compiles its own
+    # (here: a compiler that fails, so the references run, as they do on any failed build).
+    foreign = ("from kernels.cpu import build; build.isa_fingerprint = lambda: 'avx avx2 fma'; " + LOAD)
+    done = subprocess.run([sys.executable, "-c", foreign], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["FALLBACK"], done.stdout + done.stderr
