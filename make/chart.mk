@@ -3,9 +3,10 @@
 #   make chart-check  helm lint --strict, render every variant, schema-validate, semantic tests
 #   make chart-e2e    run the rendered pods as local processes, the way a kubelet would (tests/chart_e2e)
 #   make chart-readme rewrite the values table of charts/pagedserve/README.md from values.yaml
-#   make images       docker build the router, scheduler and engine images
+#   make images       build the router, scheduler, CUDA and CPU engine images (make/images.py)
+#   make container-e2e  run the rendered pods from the built images (tests/container_e2e)
 
-.PHONY: tools chart-check chart-e2e chart-readme images
+.PHONY: tools chart-check chart-e2e chart-readme images container-e2e
 
 TOOLS_DIR := .tools
 HELM := $(TOOLS_DIR)/helm
@@ -52,14 +53,24 @@ chart-e2e: install tools
 chart-readme: install
 	$(PY) -m tests.charts.values_doc
 
-# Image names: $(IMAGE_PREFIX)/<service>:$(IMAGE_TAG); the chart's default tag is its appVersion,
-# which equals the package version.
+# Image names: $(IMAGE_PREFIX)/<image>:$(IMAGE_TAG); the chart's default tag is its appVersion, which
+# equals the package version. make/images.py picks the container engine (podman, or docker with buildx;
+# Debian's podman installed where there is neither), and builds the base images from Debian's packages
+# with debootstrap where no registry answers (IMAGE_BASE=registry|debian to choose). Sizes and build
+# times: .images/report.json.
 IMAGE_PREFIX ?= pagedserve
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-DOCKER ?= docker
+IMAGE_BASE ?= auto
+IMAGE_TARGETS ?= router,scheduler,engine-cpu,engine
 
 images:
-	@command -v $(DOCKER) >/dev/null || { echo "$(DOCKER) is needed to build images"; exit 1; }
-	for svc in router scheduler engine; do \
-	  DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/$$svc.Dockerfile -t $(IMAGE_PREFIX)/$$svc:$(IMAGE_TAG) . || exit 1; \
-	done
+	$(PYTHON) make/images.py build --targets $(IMAGE_TARGETS) --base $(IMAGE_BASE) --prefix $(IMAGE_PREFIX) --tag $(IMAGE_TAG)
+
+# The chart's pods from the built images (tests/container_e2e): the CPU images and the e2e's Redis are
+# built first (layers and pip downloads cached); where no container engine can run, one line says so.
+container-e2e: install tools
+	$(PYTHON) make/images.py build --if-possible --targets router,scheduler,engine-cpu,e2e-redis \
+	  --base $(IMAGE_BASE) --prefix $(IMAGE_PREFIX) --tag $(IMAGE_TAG)
+	@if grep -q '"error"' .images/engine.json; then \
+	  echo "container-e2e: skipped: $$(sed -n 's/.*"error": "\(.*\)".*/\1/p' .images/engine.json)"; \
+	else $(PY) -m pytest -q -s -p no:cacheprovider tests/container_e2e; fi

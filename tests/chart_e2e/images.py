@@ -50,6 +50,7 @@ def _stages(text: str) -> dict[str, str]:
         header, _, body = part.partition("\n")
         name = header.split(" AS ")[1].strip() if " AS " in header else f"stage{i}"
         stages[name] = body
+        stages[f"header:{name}"] = header
     stages["final"] = parts[-1].partition("\n")[2]
     return stages
 
@@ -60,11 +61,18 @@ def install_spec(service: str) -> InstallSpec:
     stages = _stages(text)
     final = stages["final"]
     source = re.search(rf"^COPY --from=(\w+) {IMAGE_VENV} {IMAGE_VENV}$", final, re.M).group(1)
-    build = stages[source]
-    install = re.search(r'pip install (?:"/src\[([\w,]*)\]"|/src)(?:\s|$)', build)
-    assert install, f"{service}.Dockerfile: no `pip install /src[...]` in stage {source}"
-    extras = tuple(e for e in (install.group(1) or "").split(",") if e)
-    torch = args["TORCH_VERSION"] if re.search(r'pip install [^\n]*"torch==\$\{TORCH_VERSION\}"', build) else None
+    # The venv's stage and the stages it is built FROM (the engine trims its venv in a stage of its own).
+    build, parent = "", source
+    while parent in stages:
+        build = stages[parent] + "\n" + build
+        parent = re.match(r"(\S+)", stages[f"header:{parent}"]).group(1)
+    # pip-install is docker/pip-install.sh (pip install with the build host's settings); the engine's CUDA
+    # variant installs a second extra (triton) in a step of its own.
+    installs = re.findall(r'pip(?:-install| install) (?:"/src\[([\w,]*)\]"|/src)(?:\s|;|$)', build)
+    assert installs, f"{service}.Dockerfile: no `pip-install /src[...]` in stage {source}"
+    extras = tuple(e for group in installs for e in group.split(",") if e)
+    torch = (args["TORCH_VERSION"] if re.search(r'pip(?:-install| install) [^\n]*"torch==\$\{TORCH_VERSION\}"', build)
+             else None)
     model_stage = re.search(rf"^COPY --from=(\w+) \S+ {BUNDLED_MODEL}$", final, re.M).group(1)
     convert = re.search(r"pagedserve convert ([^\n]*)", stages[model_stage])
     if convert:

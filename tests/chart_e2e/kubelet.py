@@ -184,16 +184,18 @@ class Pod:
         self.deleted = False
         self.terminating = False
         self.volumes = {v["name"]: self._make_volume(v) for v in spec.get("volumes", [])}
-        self.init_containers = [Container(self, c, self._image(c, images), init=True)
+        # tests/container_e2e runs each container from its built image instead (ContainerRun).
+        make = getattr(cluster, "container_class", Container)
+        self.init_containers = [make(self, c, self._image(c, images), init=True)
                                 for c in spec.get("initContainers", [])]
-        self.containers = [Container(self, c, self._image(c, images)) for c in spec["containers"]]
+        self.containers = [make(self, c, self._image(c, images)) for c in spec["containers"]]
 
     @staticmethod
     def _image(container: dict, images: dict[str, Image]) -> Image:
         repo = container["image"].rsplit(":", 1)[0].split("@")[0]
-        for name, image in images.items():
-            if repo.endswith("/" + name) or repo.endswith("/" + name + "/" + name):
-                return image
+        for name in (repo.rsplit("/", 1)[-1], repo.rsplit("/", 1)[-1].removesuffix("-cpu")):
+            if name in images:  # pagedserve/engine-cpu runs from the engine's image where no CPU one is apart
+                return images[name]
         raise AssertionError(f"no local image for {container['image']}")
 
     # -- volumes -----------------------------------------------------------------------------------

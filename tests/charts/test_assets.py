@@ -147,22 +147,29 @@ def test_images_use_the_bases_the_services_need():
     for text in (router, scheduler):
         assert "ARG PYTHON_IMAGE=python:3.11-slim" in text and "/whl/cpu" in text
     assert "ARG CUDA_IMAGE=nvidia/cuda:" in engine and "-runtime-" in engine
-    assert '"/src[engine,triton]"' in engine, "the engine image carries torch, the model formats and Triton"
+    assert '"/src[engine]"' in engine and '"/src[triton]"' in engine, \
+        "the engine image carries torch and the model formats, and Triton in its CUDA variant"
     assert "gcc" in engine, "Triton compiles its launcher with the system C compiler at run time"
+    # The CPU variant: the CPU torch, kernels compiled at build time and found at start.
+    assert "ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu" in engine
+    assert "--prebuild /opt/pagedserve/kernels" in engine
+    assert "PAGEDSERVE_KERNEL_PREBUILT=/opt/pagedserve/kernels" in engine
 
 
 def test_make_images_builds_the_three_images_with_the_charts_tag():
-    result = subprocess.run(["make", "-n", "images", "DOCKER=true"], cwd=REPO, capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(["make", "-n", "images"], cwd=REPO, capture_output=True, text=True, check=True)
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     pyproject = (REPO / "pyproject.toml").read_text()
     version = re.search(r'^version = "(.+)"', pyproject, re.M).group(1)
     assert chart["appVersion"] == version, "the chart's default image tag must be the package version"
-    assert "docker/$svc.Dockerfile" in result.stdout and f":{version}" in result.stdout
-    assert "for svc in router scheduler engine" in result.stdout
+    assert "make/images.py build --targets router,scheduler,engine-cpu,engine" in result.stdout
+    assert f"--prefix pagedserve --tag {version}" in result.stdout
     images = _chart_values()["images"]
     for service in SERVICES:
         assert images[service]["repository"] == f"pagedserve/{service}"
+    # CPU replicas run the CPU engine image, built beside the CUDA one.
+    cpu = yaml.safe_load((CHART / "ci" / "cpu-values.yaml").read_text())
+    assert cpu["images"]["engine"]["repository"] == "pagedserve/engine-cpu"
 
 
 def _exposed_series(text: str) -> set[str]:
