@@ -31,19 +31,19 @@ FROM ${CUDA_IMAGE} AS base-cuda
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update && \
     apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev && \
-    rm -rf /var/lib/apt/lists/*
+    rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 
 # The CPU image's runtime: OpenMP's runtime for the C++ kernels, no compiler.
 FROM ${PYTHON_IMAGE} AS base-cpu
 ENV DEBIAN_FRONTEND=noninteractive
-RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 
 # Building the CPU kernels: g++, and the Python headers where the base image has none of its own.
 FROM base-cpu AS compiler-cpu
 RUN headers=$(python3 -c "import os, sysconfig; \
 print('' if os.path.exists(sysconfig.get_paths()['include'] + '/Python.h') else 'python3-dev')") && \
     apt-get update && apt-get install -y --no-install-recommends g++ $headers && \
-    rm -rf /var/lib/apt/lists/*
+    rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 
 # The CUDA image keeps its compiler (Triton's launcher), so it builds on its own base.
 FROM base-cuda AS compiler-cuda
@@ -82,10 +82,14 @@ print('torch', torch.__version__, 'CPU')" && \
       PAGEDSERVE_CACHE_DIR=/tmp/kernel-build python -m kernels.cpu.build --prebuild /opt/pagedserve/kernels && \
       rm -rf /tmp/kernel-build; fi
 
-# What runs needs no installer and no PyTorch test suite (83 MB): a copy of the venv without them.
+# What runs needs no installer, no PyTorch test suite (83 MB) and, on the CPU image, which has no
+# compiler, no C++ headers (62 MB): a copy of the venv without them.
 FROM build AS venv
+ARG ENGINE_DEVICE
 RUN python -m pip uninstall -q -y pip setuptools && \
-    rm -rf "$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')/test" && \
+    torch_dir="$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')" && \
+    rm -rf "$torch_dir/test" && \
+    if [ "$ENGINE_DEVICE" = cpu ]; then rm -rf "$torch_dir/include"; fi && \
     python -c "import torch, services.engine.model_runner"
 
 # Convert the default model once, at build time (on the CPU; no GPU is needed to build).

@@ -150,7 +150,7 @@ def build_debian_base(engine: dict) -> str:
         run(["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", "bookworm", str(root),
              _debian_mirror()], check=True, capture_output=True)
         # Package caches, manuals and translations (about 50 MB); each package's copyright file stays.
-        for junk in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/man", "usr/share/info",
+        for junk in ("var/cache/apt", "var/lib/apt/lists", "usr/share/man", "usr/share/info",
                      "usr/share/locale", "usr/share/doc"):
             for path in sorted((root / junk).rglob("*"), reverse=True):
                 if path.is_file() and not (junk == "usr/share/doc" and path.name == "copyright"):

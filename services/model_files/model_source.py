@@ -93,6 +93,11 @@ def _written_whole(out_dir: Path):
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
         yield tmp
+        # Readable by every user (mkdtemp makes 0700, safetensors writes 0600): an image converts as root
+        # at build time and serves as uid 10001; a shared cache is read by whoever starts next.
+        tmp.chmod(0o755)
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -125,9 +130,22 @@ def is_default_model(model: str | os.PathLike | None) -> bool:
     return model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
 
 
+def converted_from_bundled(model_dir: Path) -> bool:
+    """Is this directory a conversion of the bundled GGUF (as the images bake in at
+    /opt/pagedserve/default-model)? Its marker names the file it was converted from."""
+    try:
+        source = Path((Path(model_dir) / CONVERTED_MARKER).read_text().split(" ", 1)[0])
+    except OSError:
+        return False
+    return source.parent.name == DEFAULT_MODEL_PACKAGE and source.name.startswith(DEFAULT_MODEL_NAME + ".")
+
+
 def model_id_of(model: str | os.PathLike | None, model_dir: Path) -> str:
-    """The model id an engine reports for this argument: the bundled model's name, else the directory's."""
-    return DEFAULT_MODEL_NAME if is_default_model(model) else Path(model_dir).name
+    """The model id an engine reports for this argument: the bundled model's name (for the bundled model
+    or a conversion of it), else the directory's."""
+    if is_default_model(model) or converted_from_bundled(model_dir):
+        return DEFAULT_MODEL_NAME
+    return Path(model_dir).name
 
 
 # What the router and the scheduler read of a model: tokenizer, chat template and config, never weights.

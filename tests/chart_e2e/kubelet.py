@@ -99,16 +99,20 @@ class Container:
             value = value.replace("$PATH", env["PATH"])
             env[name] = rw(value)
         env["PATH"] = ":".join([str(d) for d in self.image.path_dirs] + [env["PATH"]])
+        self.add_spec_env(env, rw)
+        if "/tmp" in self.pod.mounts_of(self):
+            env.setdefault("TMPDIR", str(self.pod.mounts_of(self)["/tmp"]))
+        env.update(self.pod.extra_env.get(self.name, {}))
+        return env
+
+    def add_spec_env(self, env: dict[str, str], rw: Rewriter) -> None:
+        """The container's own env over `env`: $(VAR) expanded, Secrets' and fields' values resolved."""
         for item in self.spec.get("env", []):
             if "value" in item:
                 value = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), item["value"])
             else:
                 value = self.pod.value_from(item["valueFrom"])
             env[item["name"]] = rw(value)
-        if "/tmp" in self.pod.mounts_of(self):
-            env.setdefault("TMPDIR", str(self.pod.mounts_of(self)["/tmp"]))
-        env.update(self.pod.extra_env.get(self.name, {}))
-        return env
 
     def start(self) -> None:
         with self._lock:

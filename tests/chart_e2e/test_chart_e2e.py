@@ -288,10 +288,18 @@ def test_two_models_behind_one_router(release):
                            300, "both models' replicas and the new router to be Ready")
     for pod in old_routers:
         cluster.delete_pod(pod)
+    check_each_model_served_by_its_replicas(cluster, replicas)
+    report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
+
+
+def check_each_model_served_by_its_replicas(cluster: Cluster, replicas: dict[str, list]) -> None:
+    """The router lists every model, sends each model's request to that model's replicas, and the helm
+    test asks each model."""
+    names = sorted(replicas)
     router_url = cluster.service_url(f"{FULLNAME}-router")
     key = api_key(cluster)
     listed = httpx.get(f"{router_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
-    assert sorted(m["id"] for m in listed["data"]) == sorted(names)
+    assert sorted(m["id"] for m in listed["data"]) == names
     for name in names:
         body = {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
         answer = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=300,
@@ -302,7 +310,6 @@ def test_two_models_behind_one_router(release):
     code, output = run_helm_test(cluster)
     assert code == 0, output
     assert all(f"OK: {n} answered" in output for n in names)
-    report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
 
 
 def test_a_lora_adapter_on_one_replica_then_loaded_by_the_other(release, tmp_path_factory):

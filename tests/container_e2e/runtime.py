@@ -56,14 +56,8 @@ class ContainerRun(Container):
 
     def env(self) -> dict[str, str]:
         """The container's own env (the image's ENV is in the image), $(VAR) expanded, addresses rewritten."""
-        rw = self._rewriter()
         env: dict[str, str] = {}
-        for item in self.spec.get("env", []):
-            if "value" in item:
-                value = _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), item["value"])
-            else:
-                value = self.pod.value_from(item["valueFrom"])
-            env[item["name"]] = rw(value)
+        self.add_spec_env(env, self._rewriter())
         env.update(self.pod.extra_env.get(self.name, {}))
         return env
 

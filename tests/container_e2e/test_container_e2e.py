@@ -29,7 +29,15 @@ import httpx
 import pytest
 
 from tests.chart_e2e.cluster import Cluster
-from tests.chart_e2e.test_chart_e2e import FULLNAME, MODEL, api_key, chat, run_helm_test, upgrade
+from tests.chart_e2e.test_chart_e2e import (
+    FULLNAME,
+    MODEL,
+    api_key,
+    chat,
+    check_each_model_served_by_its_replicas,
+    run_helm_test,
+    upgrade,
+)
 from tests.charts.chart_render import CHART, NAMESPACE, render
 from tests.container_e2e import runtime
 from tests.container_e2e.runtime import ContainerRun, built_images
@@ -241,17 +249,5 @@ def test_two_models_behind_one_router(release):
                            420, "both models' replicas and the new router to be Ready")
     for pod in old_routers:
         cluster.delete_pod(pod)
-    router_url, key = cluster.service_url(f"{FULLNAME}-router"), api_key(cluster)
-    listed = httpx.get(f"{router_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).json()
-    assert sorted(m["id"] for m in listed["data"]) == sorted(names)
-    for name in names:
-        body = {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
-        answer = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=300,
-                            headers={"Authorization": f"Bearer {key}"})
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["model"] == name
-        assert answer.headers["x-pagedserve-replica"] in {p.name for p in replicas[name]}
-    code, output = run_helm_test(cluster)
-    assert code == 0, output
-    assert all(f"OK: {n} answered" in output for n in names)
+    check_each_model_served_by_its_replicas(cluster, replicas)
     report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
