@@ -83,14 +83,15 @@ print('torch', torch.__version__, 'CPU')" && \
       rm -rf /tmp/kernel-build; fi
 
 # What runs needs no installer, no PyTorch test suite (83 MB) and, on the CPU image, which has no
-# compiler, no C++ headers (62 MB): a copy of the venv without them.
+# compiler, no C++ headers (62 MB): a copy of the venv without them. setuptools stays: torch's
+# cpp_extension, which finds the prebuilt kernels' key, imports it.
 FROM build AS venv
 ARG ENGINE_DEVICE
-RUN python -m pip uninstall -q -y pip setuptools && \
+RUN python -m pip uninstall -q -y pip && \
     torch_dir="$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')" && \
     rm -rf "$torch_dir/test" && \
     if [ "$ENGINE_DEVICE" = cpu ]; then rm -rf "$torch_dir/include"; fi && \
-    python -c "import torch, services.engine.model_runner"
+    python -c "import torch, services.engine.model_runner, torch.utils.cpp_extension"
 
 # Convert the default model once, at build time (on the CPU; no GPU is needed to build).
 FROM build AS model

@@ -84,7 +84,7 @@ def _probe_loop(container, kind: str) -> None:
             time.sleep(0.05)
             continue
         next_at = time.monotonic() + probe.get("periodSeconds", 10)
-        ok = run_handler(container, probe, timeout=probe.get("timeoutSeconds", 1))
+        ok = container.run_handler(probe, timeout=probe.get("timeoutSeconds", 1))
         if container.generation != generation or container.pod.deleted:
             continue
         if ok:

@@ -14,6 +14,7 @@ does; paths are not rewritten, since the image has them. exec probes run in the 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -91,6 +92,12 @@ class ContainerRun(Container):
             host.mkdir(parents=True, exist_ok=True)
             if "emptyDir" in volume:
                 host.chmod(0o777)  # an emptyDir is world-writable, as the kubelet makes it
+            fs_group = (self.pod.spec.get("securityContext") or {}).get("fsGroup")
+            if fs_group is not None and ("secret" in volume or "configMap" in volume):
+                # The kubelet's volume ownership: files of the pod's fsGroup, so a mode of 0440 lets the
+                # pod's user (in that group) read them.
+                for path in [host, *host.rglob("*")]:
+                    os.chown(path, 0, fs_group)
             read_only = m.get("readOnly") or "secret" in volume or "configMap" in volume
             flags += ["-v", f"{host}:{m['mountPath']}{':ro' if read_only else ''}"]
         return flags
