@@ -2,6 +2,8 @@
 #
 #   make images                 (both; base images from a registry, or built here with debootstrap)
 #   docker buildx build -f docker/engine.Dockerfile -t pagedserve/engine:0.1.0 .                    (CUDA)
+#   (podman/buildah: pass --build-arg ENGINE_DEVICE=cuda too; buildah's skipping of unused stages reads
+#   the `FROM base-${ENGINE_DEVICE}` lines with the build args given, not the defaults)
 #   docker buildx build -f docker/engine.Dockerfile --build-arg ENGINE_DEVICE=cpu \
 #       -t pagedserve/engine-cpu:0.1.0 .                                                             (CPU)
 #

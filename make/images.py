@@ -240,8 +240,10 @@ def build_args(target: str, base: str | None, pip: dict[str, str], links: LinkSe
     if cuda and not pytorch_reachable:
         # PyPI's Linux torch wheel is PyTorch's CUDA build (with nvidia-* runtime wheels and Triton).
         args["TORCH_INDEX_URL"] = index or "https://pypi.org/simple"
-    if target == "engine-cpu":
-        args["ENGINE_DEVICE"] = "cpu"
+    if target.startswith("engine"):
+        # Always given, the default too: buildah skips the stages a `FROM base-${ENGINE_DEVICE}` line
+        # needs unless the argument is passed.
+        args["ENGINE_DEVICE"] = "cpu" if target == "engine-cpu" else "cuda"
     return args
 
 

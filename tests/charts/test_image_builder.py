@@ -33,7 +33,7 @@ def test_cpu_images_take_the_hosts_cpu_torch_and_the_cuda_image_never_does(tmp_p
         assert cpu["PIP_EXTRA_INDEX_URL"] == "", "a file:// index of the host means nothing in a build"
         cuda = images.build_args("engine", None, pip, links, "2.13.0+cpu", False)
         # The CUDA engine: PyPI's torch (its Linux wheel is the CUDA build), never the host's CPU wheel.
-        assert "PIP_FIND_LINKS" not in cuda and "TORCH_VERSION" not in cuda and "ENGINE_DEVICE" not in cuda
+        assert "PIP_FIND_LINKS" not in cuda and "TORCH_VERSION" not in cuda and cuda["ENGINE_DEVICE"] == "cuda"
         assert cuda["TORCH_INDEX_URL"] == pip["index-url"] and "PYTHON_IMAGE" not in cuda
         reachable = images.build_args("engine", None, pip, links, None, True)
         assert "TORCH_INDEX_URL" not in reachable, "PyTorch's own CUDA index (the Dockerfile's) when it answers"
