@@ -64,3 +64,16 @@ def test_each_dockerfile_takes_the_hosts_pip_settings_only_in_its_build_stages()
             assert f"org.opencontainers.image.{label}=" in final
     script = (REPO / "docker" / "pip-install.sh").read_text()
     assert "/run/secrets/pip-ca" in script and "PIP_CERT" in script
+
+
+def test_where_no_container_engine_can_run_one_line_says_so(tmp_path, monkeypatch, capsys):
+    import argparse
+    import json
+
+    monkeypatch.setattr(images, "STATE", tmp_path)
+    monkeypatch.setattr(images, "find_engine", lambda: {"error": "no container engine (podman, or docker with buildx)"})
+    assert images.cmd_build(argparse.Namespace(if_possible=True)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["container-e2e: skipped, no image can be built here: no container engine (podman, or docker "
+                   "with buildx)"]
+    assert "error" in json.loads((tmp_path / "engine.json").read_text())  # make container-e2e then runs nothing
