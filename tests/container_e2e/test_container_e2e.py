@@ -68,7 +68,11 @@ def release(request):
         for pod in list(cluster.pods.values()):
             pod.terminating = True
         cluster.close()
-        subprocess.run(ENGINE["cli"] + ["rm", "-f", "--all"], capture_output=True, timeout=300)
+        # Only this e2e's containers (ce2e-*), whichever engine runs them.
+        names = subprocess.run(ENGINE["cli"] + ["ps", "-a", "--filter", "name=ce2e-", "--format", "{{.Names}}"],
+                               capture_output=True, text=True, timeout=60).stdout.split()
+        if names:
+            subprocess.run(ENGINE["cli"] + ["rm", "-f", *names], capture_output=True, timeout=300)
         if request.session.testsfailed:
             print(f"container-e2e: logs kept in {work}")
         else:
