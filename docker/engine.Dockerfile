@@ -126,6 +126,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
     PAGEDSERVE_CACHE_DIR=/cache \
+    PAGEDSERVE_DEVICE=${ENGINE_DEVICE} \
     PAGEDSERVE_KERNEL_PREBUILT=/opt/pagedserve/kernels \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
@@ -138,5 +139,7 @@ VOLUME ["/cache"]
 USER 10001:10001
 EXPOSE 7000
 ENTRYPOINT ["pagedserve"]
-# --device auto: the GPU where there is one (with the Triton backend), else the CPU (C++ kernels).
+# --device comes from PAGEDSERVE_DEVICE: cuda in the CUDA image (which then refuses to start without a
+# GPU rather than run on the CPU), cpu in the CPU one; the attention backend follows it (Triton on CUDA,
+# the C++ kernels on the CPU); decode steps replay CUDA graphs unless --enforce-eager.
 CMD ["engine", "--model", "/opt/pagedserve/default-model"]

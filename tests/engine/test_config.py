@@ -50,11 +50,24 @@ def test_up_passes_them_to_its_engines():
         assert EngineConfig.from_args(parsed).attention_backend == "cpu"
 
 
-def test_the_engine_image_starts_triton_with_cuda_graphs():
+def test_the_engine_image_starts_triton_with_cuda_graphs(monkeypatch):
+    """The CUDA image (ENGINE_DEVICE's default) starts on the GPU with Triton and CUDA graphs; the CPU
+    image on the CPU with the C++ kernels: the device comes from PAGEDSERVE_DEVICE, which the image's ENV
+    sets from ENGINE_DEVICE."""
+    import torch
+
+    from services.engine.attention import resolve_backend
+
     text = (REPO / "docker" / "engine.Dockerfile").read_text()
     argv = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
-    config = EngineConfig.from_args(build_parser().parse_args(argv))
-    assert (config.device, config.attention_backend, config.enforce_eager) == ("cuda", "triton", False)
+    assert re.search(r"^ARG ENGINE_DEVICE=cuda$", text, re.M)
+    final = text[text.rindex("\nFROM "):]
+    assert re.search(r"^\s+PAGEDSERVE_DEVICE=\$\{ENGINE_DEVICE\} \\$", final, re.M)
+    for device, backend in (("cuda", "triton"), ("cpu", "cpu")):
+        monkeypatch.setenv("PAGEDSERVE_DEVICE", device)
+        config = EngineConfig.from_args(build_parser().parse_args(argv))
+        assert (config.device, config.enforce_eager) == (device, False)
+        assert resolve_backend(config.attention_backend, torch.device(device)) == backend
     assert "assert torch.version.cuda" in text, "the build refuses a CPU-only torch"
 
 

@@ -127,4 +127,5 @@ def test_a_burst_of_decisions_never_empties_the_connection_pool(redis_server):
 
     results = asyncio.run(scenario())
     assert [r for r in results if isinstance(r, BaseException)] == []
-    assert all(r == {"a": 40} for r in results)
+    wrong = [r for r in results if r != {"a": 40}]
+    assert not wrong, f"{len(wrong)} of {len(results)} decisions saw {wrong[:3]}"
