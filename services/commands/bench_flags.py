@@ -69,7 +69,8 @@ def add_bench(sub) -> None:
     d.add_argument("--model", default=None)
     d.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     d.add_argument("--batch-sizes", default="1", help="comma-separated running-batch caps, e.g. 1,4,16,64")
-    d.add_argument("--num-prompts", type=V.integer(1), default=6, help="chats per pass (at least twice the batch size)")
+    d.add_argument("--num-prompts", type=V.integer(1), default=24,
+                   help="chats per pass, 8 of each kind by default (at least twice the batch size)")
     d.add_argument("--max-tokens", type=V.integer(1), default=128)
     d.add_argument("--passes", type=V.integer(1), default=3, help="alternating passes of each engine per batch size")
     d.add_argument("--num-kv-blocks", type=V.integer(1), default=2048)

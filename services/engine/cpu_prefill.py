@@ -53,6 +53,16 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     if window is not None or softcap is not None or sinks is not None:
         check_options("services.engine.cpu_prefill.prefill_attention_cpu", window, softcap, sinks, q)
         return _with_options(q, k_cache, v_cache, block_tables, spans, scale, step_cache, window, softcap, sinks)
+    if step_cache is not None:
+        # Which route a step takes is the same in every layer of the group: decided once per step.
+        route = step_cache.get("route")
+        if route is None:
+            route = step_cache["route"] = _step_route(q, k_cache, spans)
+        if route == "decodes":
+            # Short continuations only (a speculative verify step, small chunks): the whole step is one
+            # decode-kernel call over q as it is, no index_select or scatter per layer.
+            _, tables, lens = _decode_entry(block_tables, spans, range(len(spans)), step_cache)
+            return load().paged_decode(q, k_cache, v_cache, tables, lens, scale, 0, 0.0, None)
     out = torch.empty_like(q)
     gqa = k.shape[1] != q.shape[1]
     fresh_kernel = _fresh_kernel(q)
@@ -104,6 +114,19 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                                            enable_gqa=gqa)[0]
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _step_route(q: torch.Tensor, k_cache: torch.Tensor, spans: list[tuple[int, int, int]]) -> str:
+    """"decodes" where every sequence of the step continues a cached context and goes through the decode
+    kernel below (a short continuation, or any continuation where the fresh-prompt kernel does not run);
+    "mixed" otherwise."""
+    if not spans or not _decode_kernel_takes(q, k_cache):
+        return "mixed"
+    short_only = _fresh_kernel(q) is not None
+    for start, end, ctx in spans:
+        if end - start == ctx or (short_only and end - start >= GATHER_MIN_TOKENS):
+            return "mixed"
+    return "decodes"
 
 
 @dataclass
@@ -194,6 +217,14 @@ def _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continui
                               window: int | None = None, softcap: float | None = None,
                               sinks: torch.Tensor | None = None):
     """Every new token of every continuation as one decode query over the cache (its KV is written)."""
+    rows, tables, lens = _decode_entry(block_tables, spans, continuing, step_cache)
+    out[rows] = load().paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, window or 0,
+                                    softcap or 0.0, sinks)
+
+
+def _decode_entry(block_tables, spans, continuing, step_cache):
+    """(rows, tables, lens) of the continuations' new tokens as decode queries: token j of a chunk is a query
+    whose context ends at its own position. Built once per step (`step_cache`), the same in every layer."""
     entry = step_cache.get("decodes") if step_cache is not None else None
     if entry is None:
         rows, tables, lens = [], [], []
@@ -205,6 +236,4 @@ def _continuations_as_decodes(q, k_cache, v_cache, block_tables, spans, continui
         entry = (torch.cat(rows), torch.cat(tables).contiguous(), torch.cat(lens))
         if step_cache is not None:
             step_cache["decodes"] = entry
-    rows, tables, lens = entry
-    out[rows] = load().paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale, window or 0,
-                                    softcap or 0.0, sinks)
+    return entry

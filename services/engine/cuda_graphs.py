@@ -6,11 +6,16 @@ launch cost exceeds the work. Decode-only steps are padded up to the next captur
 graph's static input buffer (one copy), the graph replays, and its static outputs hold the logits.
 Padding rows write no KV slot (slot -1), attend to one position of block 0 and are never sampled.
 
+Speculative decoding's verify steps replay the same graphs: a sequence verifying k drafts is k + 1 decode
+rows, row j attending over the context up to its own position (the step writes every row's keys before
+any row attends), so a step of decodes and verify rows is a decode step of that many rows. With a
+speculative config the sizes go up to max_num_seqs * (1 + k) rows (at most GRAPH_MAX_VERIFY_ROWS).
+
 A graph fixes every launch's grid and scalar arguments at capture, so the forward must take all it
 needs from device buffers (services/engine/step_inputs.py) and host numbers fixed per batch size: the
 block-table width and longest context (`GRAPH_MAX_CONTEXT`, like vLLM's max_seq_len_to_capture) and
-the decode kernel's split count. Longer contexts, steps with prefills, copy-on-write or several samples
-per sequence run eagerly.
+the decode kernel's split count. Longer contexts, steps with prefill chunks, copy-on-write or several
+samples per sequence run eagerly.
 
 With LoRA slots (`--max-loras`), every graph is captured with the adapters' shrink and expand: each
 bucket holds a static int32 tensor of per-row slots (-1: the base model, and every padding row) that a
@@ -40,7 +45,17 @@ from services.engine.step_inputs import StepInputs, padding_step
 log = logging.getLogger(__name__)
 
 GRAPH_MAX_CONTEXT = 8192  # decodes with a longer context run eagerly
+# Verify steps past this many rows run eagerly: each captured size keeps its own logits ([rows, vocab]).
+GRAPH_MAX_VERIFY_ROWS = 512
 WARMUP_RUNS = 2  # before capture: Triton compiles its kernels, cuBLAS picks its algorithms
+
+
+def graph_rows(max_num_seqs: int, speculative=None) -> int:
+    """The largest step a graph is captured for, in rows: max_num_seqs decodes, or with speculative decoding
+    each sequence's verify rows (its token and k drafts), up to GRAPH_MAX_VERIFY_ROWS."""
+    if speculative is None:
+        return max_num_seqs
+    return max(max_num_seqs, min(max_num_seqs * (1 + speculative.num_speculative_tokens), GRAPH_MAX_VERIFY_ROWS))
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -112,12 +127,12 @@ class DecodeGraphs:
     """Captured decode graphs by batch size, and the replay of a padded decode step."""
 
     def __init__(self, model, kv_caches, attention: PagedAttention, device: torch.device, block_size: int,
-                 max_num_seqs: int, max_model_len: int, capture, lora: LoraSlots | None = None,
+                 max_rows: int, max_model_len: int, capture, lora: LoraSlots | None = None,
                  num_groups: int = 1):
         self.block_size = block_size
         self.max_context = min(GRAPH_MAX_CONTEXT, max_model_len)
         self.width = -(-self.max_context // block_size)
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max_rows)
         self.lora = lora
         self.buckets: dict[int, _Bucket] = {}
         started = time.monotonic()

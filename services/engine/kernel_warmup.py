@@ -3,7 +3,7 @@ engine says ready, not on a live request (0.5-1 s each on a GPU).
 
 Triton compiles one variant per specialization of a kernel's constexprs (the prefill tile of 64 or 128
 rows, split-KV decode or not) and of its arguments' alignment; the step buffer keeps every index field
-16-byte aligned (step_inputs.FIELD_ALIGN) and the kernels do not specialize on what varies per step
+16-byte aligned (step_layout.FIELD_ALIGN) and the kernels do not specialize on what varies per step
 (kernels/triton_*.py: `do_not_specialize`), so a handful of synthetic steps covers them: prefill-only,
 decode-only and mixed, short and split-KV decodes, small and large prefill tiles, and on CUDA structured
 output's token mask. Decode-graph shapes warm at graph capture. Every rank of a tensor-parallel engine

@@ -27,7 +27,7 @@ import kernels.cpu as cpu_kernels
 from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
-from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs
+from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_rows
 from services.engine.kernel_warmup import warm_up
 from services.engine.kv_cache_fp8 import cache_dtype
 from services.engine.load_memory import RankMemory, memory_in_use
@@ -42,7 +42,8 @@ from services.engine.spec_decode.draft_model import DraftModel
 from services.engine.spec_decode.eagle3 import Eagle3Drafter
 from services.engine.spec_decode.verify import commit_verified
 from services.engine.step_broadcast import Op, StepSender
-from services.engine.step_inputs import StepInputBuilder, StepInputs, StepTensors
+from services.engine.step_inputs import StepInputBuilder, StepInputs
+from services.engine.step_layout import StepTensors
 from services.engine.step_validation import StepLimits
 from services.model_files.lora_files import AdapterError
 from services.model_files.model_source import model_id_of, resolve_model, resolve_weights
@@ -328,7 +329,7 @@ class ModelRunner:
                 return None
             capture = CudaGraphCapture(self.device)
         return DecodeGraphs(self.model, self.kv_caches, attention, self.device, self.block_size,
-                            self.config.max_num_seqs, self.max_model_len, capture,
+                            graph_rows(self.config.max_num_seqs, self.config.speculative), self.max_model_len, capture,
                             self.lora.slots if self.lora is not None else None, self.kv_plan.num_groups)
 
     def reset(self) -> None:

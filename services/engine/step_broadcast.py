@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from services.engine.parallel_state import RankGroup
-from services.engine.step_inputs import StepInputs, StepLayout
+from services.engine.step_inputs import StepInputs
+from services.engine.step_layout import StepLayout
 
 
 class Op(enum.IntEnum):

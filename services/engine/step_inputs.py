@@ -17,7 +17,6 @@ buffer, services/engine/step_broadcast.py).
 from __future__ import annotations
 
 import array
-import math
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -28,6 +27,7 @@ from services.contracts.step_protocol import InvalidStepError, SchedulerOutput, 
 from services.engine.attention import AttentionMetadata
 from services.engine.sampler import SampleRow
 from services.engine.spec_decode.verify import draft_rows
+from services.engine.step_layout import StepLayout, StepTensors, decode_graph_layout
 from services.engine.step_validation import (
     INDEX_LIMIT,
     MAX_DRAFT_TOKENS,
@@ -38,71 +38,6 @@ from services.engine.step_validation import (
     penalties_ok,
     sampling_ok,
 )
-
-_INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "sample_idx", "copy_src", "copy_dst")
-_INT32_FIELDS = ("decode_context_lens", "decode_block_tables", "prefill_query_start_loc",
-                 "prefill_context_lens", "prefill_block_tables")
-_NP = {torch.int64: np.int64, torch.int32: np.int32}
-# Every field starts on a 16-byte boundary of the buffer (whose allocation is aligned wider): Triton
-# specializes a kernel on whether each pointer is 16-byte aligned, so fields packed back to back would
-# compile new kernel variants while serving, depending on the batch's shape.
-FIELD_ALIGN = 16
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Where each field lives in the step buffer: int64 fields first, then int32, each starting on a
-    FIELD_ALIGN boundary."""
-
-    shapes: dict[str, tuple[int, ...]]
-    spans: dict[str, tuple[int, int, torch.dtype]]  # name -> (start byte, end byte, dtype)
-    nbytes: int
-
-    @classmethod
-    def of(cls, *, num_tokens: int, num_samples: int, num_decode: int, decode_width: int, num_prefill: int,
-           prefill_width: int, num_copies: int = 0, num_groups: int = 1) -> StepLayout:
-        """`num_groups`: KV groups (services/engine/kv_groups.py); each has its own slots and block tables."""
-        shapes = {
-            "input_ids": (num_tokens,), "positions": (num_tokens,), "slot_mapping": (num_groups, num_tokens),
-            "sample_idx": (num_samples,), "copy_src": (num_copies,), "copy_dst": (num_copies,),
-            "decode_context_lens": (num_decode,), "decode_block_tables": (num_groups, num_decode, decode_width),
-            "prefill_query_start_loc": (num_prefill + 1 if num_prefill else 0,),
-            "prefill_context_lens": (num_prefill,), "prefill_block_tables": (num_groups, num_prefill, prefill_width),
-        }
-        spans, at = {}, 0
-        for name in _INT64_FIELDS + _INT32_FIELDS:
-            dtype = torch.int64 if name in _INT64_FIELDS else torch.int32
-            end = at + math.prod(shapes[name]) * dtype.itemsize
-            spans[name] = (at, end, dtype)
-            at = -(-end // FIELD_ALIGN) * FIELD_ALIGN
-        return cls(shapes, spans, at)
-
-    def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: buf[start:end].view(_NP[dtype]).reshape(self.shapes[name])
-                for name, (start, end, dtype) in self.spans.items()}
-
-    def tensors(self, buf: torch.Tensor) -> StepTensors:
-        """Typed views of a (device or host) copy of the buffer."""
-        return StepTensors(**{name: buf[start:end].view(dtype).view(self.shapes[name])
-                              for name, (start, end, dtype) in self.spans.items()})
-
-
-@dataclass
-class StepTensors:
-    """The step's index tensors on the device, views of one buffer (empty where a field is). Slots and block
-    tables have a leading KV-group dimension."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    sample_idx: torch.Tensor
-    copy_src: torch.Tensor
-    copy_dst: torch.Tensor
-    decode_context_lens: torch.Tensor
-    decode_block_tables: torch.Tensor
-    prefill_query_start_loc: torch.Tensor
-    prefill_context_lens: torch.Tensor
-    prefill_block_tables: torch.Tensor
 
 
 @dataclass
@@ -240,11 +175,16 @@ class StepInputBuilder:
         decode_max = max((s.start_pos + 1 for s in decodes), default=0)
         batch = None
         # Decodes with adapters replay a graph only where the graphs were captured with the LoRA slots.
-        if graph_batch_for is not None and not npf and not pairs and nd and all(
-                s.sample and s.num_samples == 1 for s in decodes):
-            batch = graph_batch_for(nd, decode_max, any(s.lora_slot >= 0 for s in decodes))
+        # A speculative verify row (every token sampled: the last committed one and its drafts) is as many
+        # decode rows, each over the context up to its own position: a step of decodes and verify rows
+        # replays a decode graph too.
+        if graph_batch_for is not None and not pairs and all(s.sample and s.num_samples == 1 for s in decodes) \
+                and all(_verify_only(s) for s in prefills) and (nd or npf):
+            rows = nd + sum(len(s.token_ids) for s in prefills)
+            longest = max(decode_max, max((s.start_pos + len(s.token_ids) for s in prefills), default=0))
+            batch = graph_batch_for(rows, longest, any(s.lora_slot >= 0 for s in chain(decodes, prefills)))
         if batch is not None:
-            return self._decode_graph_step(decodes, decode_blocks, batch)
+            return self._decode_graph_step(decodes, prefills, decode_blocks, batch)
         return self._eager_step(out, decodes, prefills, decode_blocks, prefill_blocks, decode_max)
 
     def _copies_ok(self, pairs) -> bool:
@@ -390,36 +330,54 @@ class StepInputBuilder:
             at += n
         return out
 
-    def _decode_graph_step(self, decodes, decode_blocks, batch: tuple[int, int]) -> StepInputs:
-        """A decode-only step padded to a captured batch size: padding rows write nowhere (slot -1),
-        attend to one position of block 0 and are never sampled."""
+    def _decode_graph_step(self, decodes, verifies, decode_blocks, batch: tuple[int, int]) -> StepInputs:
+        """A step of decodes (and verify rows, one decode row per token) padded to a captured batch size:
+        padding rows write nowhere (slot -1), attend to one position of block 0 and are never sampled.
+        Every real row is sampled, in order: a verify row's k + 1 sample rows are its k + 1 tokens."""
         size, width = batch
-        nd = len(decodes)
+        ordered = decodes + verifies
+        rows_in = decodes + [_TokenRow(s, j) for s in verifies for j in range(len(s.token_ids))]
+        entries = self._group_entries(rows_in) if verifies else decode_blocks
+        nd = len(rows_in)
         layout = decode_graph_layout(size, width, self.num_groups)
         host, v = self._alloc(layout)
         ids, slots = v["input_ids"], v["slot_mapping"]
-        ids[:nd] = self._ints([s.token_ids[0] for s in decodes], self.limits.vocab_size)
+        ids[:nd] = self._ints([s.token_ids[0] for s in rows_in], self.limits.vocab_size)
         ids[nd:] = 0
-        self._decode_slots(v, decodes, decode_blocks)
+        self._decode_slots(v, rows_in, entries)
         if np.unique(slots[:, :nd]).size != nd * self.num_groups:
             raise _Refused
         slots[:, nd:] = -1
         v["positions"][nd:] = 0
         v["decode_context_lens"][nd:] = 1
         v["sample_idx"][:] = np.arange(size)
-        _, rows, owners = self._rows(decodes)
+        _, rows, owners = self._rows(ordered)
+        assert len(rows) == nd, "every real row of a graph step is sampled"
         return StepInputs(layout, host, size, size, width * self.limits.block_size, 0, 0, [], rows, owners,
-                          graph_batch=size, num_real_decodes=nd, lora_segments=self._lora_segments(decodes))
+                          graph_batch=size, num_real_decodes=nd, lora_segments=self._lora_segments(rows_in),
+                          drafts={s.seq_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in verifies},
+                          token_offsets=self._offsets(ordered))
+
+
+def _verify_only(s) -> bool:
+    """A sequence whose every token is sampled: its last committed token and the drafts it verifies."""
+    return s.sample is True and s.num_samples == 1 and s.num_draft_tokens == len(s.token_ids) - 1 \
+        and s.next_prompt_token == -1
+
+
+class _TokenRow:
+    """Token j of a verify row as a decode row of a graph step: what the decode layout reads of it."""
+
+    __slots__ = ("token_ids", "start_pos", "block_table", "group_block_tables", "lora_slot")
+
+    def __init__(self, s, j: int):
+        self.token_ids = s.token_ids[j:j + 1]
+        self.start_pos = s.start_pos + j
+        self.block_table, self.group_block_tables, self.lora_slot = s.block_table, s.group_block_tables, s.lora_slot
 
 
 class _Refused(Exception):
     """The fast check failed: `find_faults` says why."""
-
-
-def decode_graph_layout(size: int, width: int, num_groups: int = 1) -> StepLayout:
-    """The buffer of a captured decode graph: `size` single-token rows, tables `width` blocks wide."""
-    return StepLayout.of(num_tokens=size, num_samples=size, num_decode=size, decode_width=width, num_prefill=0,
-                         prefill_width=0, num_groups=num_groups)
 
 
 def padding_step(size: int, width: int, block_size: int, num_groups: int = 1) -> StepInputs:

@@ -32,6 +32,7 @@ def test_mixed_fresh_and_continuing_prefills(block_size):
         out = prefill_attention_cpu(inp.q, k, v, inp.k_cache, inp.v_cache, inp.block_tables, spans, inp.scale,
                                     step_cache)
         assert rel_err(out, dense) <= 1e-5
+    assert step_cache.pop("route") == "mixed"  # fresh prompts in the step
     assert len(step_cache) == 3  # the three continuing sequences
 
 
@@ -70,3 +71,42 @@ def test_bfloat16_continuations_through_the_kernels(block_size, amx):
     assert gathered == ({2, 5} if _fresh_kernel(inp.q) is not None else set())  # the 64-token chunks
     assert not out.isnan().any()
     assert rel_err(out, dense_attention(inp)) <= 1e-2
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_step_of_short_continuations_is_one_decode_call(amx):
+    """A speculative verify step (every sequence continues its cache by a few tokens) takes the decode route
+    once per step and gives bit for bit what the per-layer gather-and-scatter route gives."""
+    from kernels.cpu import load
+
+    mod = load()
+    if mod is None:
+        pytest.fail("the CPU kernels did not compile")
+    if amx and not mod.amx_available():
+        pytest.skip("this CPU or kernel offers no AMX tiles")
+    lens, q_lens = [40, 300, 17, 129], [5, 9, 1, 3]
+    inp = make_paged_inputs(lens, q_lens, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                            dtype=torch.bfloat16, poison_unused=True)
+    starts = inp.query_start_loc.tolist()
+    spans = [(starts[i], starts[i + 1], lens[i]) for i in range(len(lens))]
+    k = torch.zeros(starts[-1], 3, 64, dtype=torch.bfloat16)  # unused by the continuation routes
+    # q as the model passes it: a strided view of a wider projection
+    wide = torch.randn(starts[-1], 9 * 64 + 64, dtype=torch.bfloat16)
+    wide[:, :9 * 64] = inp.q.reshape(starts[-1], -1)
+    q = wide[:, :9 * 64].view(starts[-1], 9, 64)
+    previous = mod.set_amx_enabled(amx)
+    try:
+        step_cache: dict = {}
+        fast = [prefill_attention_cpu(q, k, k, inp.k_cache, inp.v_cache, inp.block_tables, spans, inp.scale,
+                                      step_cache) for _ in range(2)]
+        slow = prefill_attention_cpu(q, k, k, inp.k_cache, inp.v_cache, inp.block_tables, spans, inp.scale)
+    finally:
+        mod.set_amx_enabled(previous)
+    assert step_cache["route"] == "decodes"
+    assert torch.equal(fast[0], slow) and torch.equal(fast[1], slow)
+    assert rel_err(fast[0], dense_attention(inp)) <= 1e-2
+    # a fresh prompt in the step: the mixed route
+    mixed: dict = {}
+    prefill_attention_cpu(q, k, k, inp.k_cache, inp.v_cache, inp.block_tables, [(0, 5, 5)] + spans[1:],
+                          inp.scale, mixed)
+    assert mixed["route"] == "mixed"

@@ -165,3 +165,48 @@ def test_adapter_decodes_replay_the_graphs_and_match_eager(tiny_model_dir, tmp_p
     # The adapters matter: without them "a" decodes other tokens.
     base, _ = make_runner(tiny_model_dir, eager=True)
     assert drive(base).seqs["a"].samples != graph_run.seqs["a"].samples
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_verify_steps_replay_the_decode_graphs(tiny_model_dir, backend):
+    """A step of decodes and speculative verify rows is a decode step of one row per token: it replays a
+    graph, commits the same tokens as the eager step (the agreeing drafts plus the target's own token), and
+    a speculative config sizes the graphs for max_num_seqs * (1 + k) rows."""
+    from services.contracts.speculative_config import SpeculativeConfig
+    from services.contracts.step_protocol import SchedulerOutput
+    from services.device_check.step_driver import scheduled
+
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}')
+    assert cuda_graphs.graph_rows(4, spec) == 16 and cuda_graphs.graph_rows(4, None) == 4
+    assert cuda_graphs.graph_rows(256, spec) == 512  # GRAPH_MAX_VERIFY_ROWS
+
+    # Plain greedy decoding, for the tokens the drafts should (or should not) match.
+    reference, _ = make_runner(tiny_model_dir, eager=True, backend=backend)
+    ref = drive(reference, decode_steps=4)
+    truth = {s: ref.seqs[s].samples for s in PROMPTS}
+
+    def verify_step(runner):
+        d = StepDriver(runner)
+        for seq_id, prompt in PROMPTS.items():
+            d.add(seq_id, prompt)
+        d.step()  # the prompts
+        wrong = (truth["a"][3] + 1) % 50
+        drafts = {"a": [truth["a"][1], truth["a"][2], wrong], "c": [truth["c"][1]], "b": []}
+        seqs = []
+        for seq_id, s in d.seqs.items():
+            tokens = [s.tokens[-1], *drafts[seq_id]]
+            d._grow(s, s.computed + len(tokens))
+            seq = scheduled(seq_id, tokens, s.computed, s.table)
+            seq.num_draft_tokens = len(drafts[seq_id])
+            seq.output_index = 1
+            seqs.append(seq)
+        return runner.execute(SchedulerOutput(2, seqs)).sampled
+
+    graph, capture = make_runner(tiny_model_dir, eager=False, backend=backend)
+    steps = record_steps(graph)
+    eager, _ = make_runner(tiny_model_dir, eager=True, backend=backend)
+    got, want = verify_step(graph), verify_step(eager)
+    assert steps[-1].graph_batch == 8 and steps[-1].num_real_decodes == 4 + 1 + 2
+    assert capture.replays == 1
+    assert got == want
+    assert got == {"a": truth["a"][1:4], "b": truth["b"][1:2], "c": truth["c"][1:3]}

@@ -102,9 +102,9 @@ def test_a_varied_run_compiles_nothing_past_the_warm_up(monkeypatch):
 def test_unaligned_fields_would_compile_new_variants(monkeypatch):
     """The proof has teeth: with the step buffer's fields packed back to back (FIELD_ALIGN 4), the same
     run launches index tensors whose alignment differs from the warm-up's."""
-    import services.engine.step_inputs as step_inputs
+    import services.engine.step_layout as step_layout
 
-    monkeypatch.setattr(step_inputs, "FIELD_ALIGN", 4)
+    monkeypatch.setattr(step_layout, "FIELD_ALIGN", 4)
     config = EngineConfig(dtype="float32", device="cpu", block_size=16, num_kv_blocks=256, max_model_len=1024,
                           attention_backend="triton", enforce_eager=True, max_num_seqs=8)
     runner = ModelRunner(config, random_weights=CONFIG)

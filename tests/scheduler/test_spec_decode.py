@@ -14,7 +14,7 @@ from services.contracts.speculative_config import SpeculativeConfig, Speculative
 from services.request.sampling_params import SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.spec_decode.ngram import TokenBuffer, propose_ngram
-from services.scheduler.spec_decode.policy import Candidate, StepCostModel, plan_drafts
+from services.scheduler.spec_decode.policy import AcceptanceRate, Candidate, StepCostModel, plan_drafts
 from tests.scheduler.shadow_executor import EOS, ShadowExecutor
 from tests.scheduler.test_scheduler import run_all as _run_all
 
@@ -188,6 +188,22 @@ def test_plan_follows_the_marginal_rule():
     # 0.95 > 320 / 352 = 0.909 but 0.95**2 = 0.9025 < 320.95 / 353 = 0.909
     assert plan_drafts([Candidate("a", 8, 0.95)], step_tokens=320, budget=100, knee=32) == {"a": 1}
     assert plan_drafts([Candidate("a", 8, 0.9)], step_tokens=1, budget=2, knee=32) == {"a": 2}  # the budget
+
+
+def test_later_drafts_follow_their_own_rate():
+    """Acceptance after an accepted draft (a copy under way) is its own rate: long drafts survive a poor first
+    position, and a sequence whose later drafts fail keeps short ones."""
+    rate = AcceptanceRate()
+    rate.observe(4, 2)  # first kept, second kept, third refused
+    rate.observe(4, 0)  # first refused
+    rate.observe(0, 0)  # no drafts: nothing learned
+    assert (rate.first_accepted, rate.first_trials, rate.accepted, rate.trials) == (1, 2, 1, 2)
+    assert rate.rate(0.5) == pytest.approx((1 + 2) / (2 + 4))
+    assert rate.then_rate(0.5) == pytest.approx((1 + 2) / (2 + 4))
+    # p_i = 0.5 * 0.9**(i - 1): the eighth is 0.24, above (1 + 3.1) / (31 + 8) = 0.105
+    assert plan_drafts([Candidate("a", 8, 0.5, 0.9)], step_tokens=1, budget=100, knee=31) == {"a": 8}
+    # a later rate of 0.3: 0.5 * 0.3 = 0.15 > 1.5 / 33; 0.045 < 1.65 / 34
+    assert plan_drafts([Candidate("a", 8, 0.5, 0.3)], step_tokens=1, budget=100, knee=31) == {"a": 2}
 
 
 def test_step_cost_model_reads_the_knee():

@@ -129,7 +129,7 @@ class Speculator:
                 # this step: as many as the plan gives (the row is a candidate even without drafts now).
                 if n == 1 and state.proposed_at == req.num_tokens:
                     proposals[req.seq_id] = self._cut(req, state.proposed[:limit])
-                candidates.append(Candidate(req, limit, accept))
+                candidates.append(Candidate(req, limit, accept, state.rate.then_rate(prior)))
                 continue
             if n != 1:
                 continue
@@ -137,7 +137,7 @@ class Speculator:
                                                   cfg.prompt_lookup_max, limit))
             if drafts:
                 proposals[req.seq_id] = drafts
-                candidates.append(Candidate(req, len(drafts), accept))
+                candidates.append(Candidate(req, len(drafts), accept, state.rate.then_rate(prior)))
         if not candidates:
             return out
         for req, k in plan_drafts(candidates, step_tokens, budget, knee).items():
