@@ -275,21 +275,28 @@ def test_two_models_behind_one_router(release):
     existing replicas go, as a rollout would remove them). The new routers are given no model: they learn
     both tokenizers from the registry, route each request to its model's replica, and `helm test` asks
     both models."""
-    cluster = release
+    ready_s = roll_out_two_models(release, (), 300)
+    report("two-models", ok=True, models=2, replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
+
+
+def roll_out_two_models(cluster: Cluster, values: tuple[str, ...], timeout_s: float) -> float:
+    """`helm upgrade` (after `values`) to two models of one replica each, as a rollout would: the old replicas
+    deleted, a new router and each model's replica started, the old routers deleted once those are Ready;
+    then each model served by its replicas. Returns the seconds until Ready."""
     names = ("smol", "smol-two")
     sets = [f"models[{i}].name={n},models[{i}].replicas=1" for i, n in enumerate(names)]
-    upgrade(cluster, *[a for s in sets for a in ("--set", s)])
+    upgrade(cluster, *values, *[a for s in sets for a in ("--set", s)])
     for pod in cluster.pods_of("replica"):
         cluster.delete_pod(pod)
     old_routers = cluster.pods_of("router")
     routers = cluster.start_workload("Deployment", f"{FULLNAME}-router", replicas=1)
     replicas = {n: cluster.start_workload("Deployment", f"{FULLNAME}-replica-{n}") for n in names}
     ready_s = cluster.wait(lambda: all(p.ready for p in routers + [p for ps in replicas.values() for p in ps]),
-                           300, "both models' replicas and the new router to be Ready")
+                           timeout_s, "both models' replicas and the new router to be Ready")
     for pod in old_routers:
         cluster.delete_pod(pod)
     check_each_model_served_by_its_replicas(cluster, replicas)
-    report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
+    return ready_s
 
 
 def check_each_model_served_by_its_replicas(cluster: Cluster, replicas: dict[str, list]) -> None:

@@ -34,9 +34,8 @@ from tests.chart_e2e.test_chart_e2e import (
     MODEL,
     api_key,
     chat,
-    check_each_model_served_by_its_replicas,
+    roll_out_two_models,
     run_helm_test,
-    upgrade,
 )
 from tests.charts.chart_render import CHART, NAMESPACE, render
 from tests.container_e2e import runtime
@@ -240,18 +239,5 @@ def test_an_engine_container_killed_mid_stream(release):
 
 
 def test_two_models_behind_one_router(release):
-    cluster = release
-    names = ("smol", "smol-two")
-    sets = [f"models[{i}].name={n},models[{i}].replicas=1" for i, n in enumerate(names)]
-    upgrade(cluster, *VALUES, *[a for s in sets for a in ("--set", s)])
-    for pod in cluster.pods_of("replica"):
-        cluster.delete_pod(pod)
-    old_routers = cluster.pods_of("router")
-    routers = cluster.start_workload("Deployment", f"{FULLNAME}-router", replicas=1)
-    replicas = {n: cluster.start_workload("Deployment", f"{FULLNAME}-replica-{n}") for n in names}
-    ready_s = cluster.wait(lambda: all(p.ready for p in routers + [p for ps in replicas.values() for p in ps]),
-                           420, "both models' replicas and the new router to be Ready")
-    for pod in old_routers:
-        cluster.delete_pod(pod)
-    check_each_model_served_by_its_replicas(cluster, replicas)
-    report("two-models", ok=True, models=len(names), replicas_ready_after_s=round(ready_s, 1), helm_test="passed")
+    ready_s = roll_out_two_models(release, VALUES, 420)
+    report("two-models", ok=True, models=2, replicas_ready_after_s=round(ready_s, 1), helm_test="passed")

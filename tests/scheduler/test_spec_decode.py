@@ -4,6 +4,7 @@ speculation (preemption, prefix hits, n > 1, stops, aborts and max_tokens includ
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -204,6 +205,29 @@ def test_later_drafts_follow_their_own_rate():
     assert plan_drafts([Candidate("a", 8, 0.5, 0.9)], step_tokens=1, budget=100, knee=31) == {"a": 8}
     # a later rate of 0.3: 0.5 * 0.3 = 0.15 > 1.5 / 33; 0.045 < 1.65 / 34
     assert plan_drafts([Candidate("a", 8, 0.5, 0.3)], step_tokens=1, budget=100, knee=31) == {"a": 2}
+
+
+def test_the_replica_prior_falls_with_rejections_to_its_floor():
+    """After a run of rejected first drafts (a drafter that never agrees), a new sequence starts from the
+    floor: it still drafts in a step of one decode, and not in a compute-bound step of 64."""
+    from services.scheduler.spec_decode.speculator import Speculator
+
+    sp = Speculator(SpeculativeConfig.parse(json.dumps(NGRAM)), frozenset(), 1000)
+    assert sp.prior() == 0.5
+
+    class Row:
+        drafting = None
+
+    for _ in range(300):
+        sp.verified(Row(), 4, 0)
+    assert sp.replica_first_rate < 0.01 and sp.prior() == 0.1
+    first = AcceptanceRate().rate(sp.prior())
+    assert plan_drafts([Candidate("a", 4, first, 0.5)], step_tokens=1, budget=100, knee=64) == {"a": 3}
+    assert plan_drafts([Candidate(i, 4, first, 0.5) for i in range(64)], step_tokens=64, budget=1000,
+                       knee=330) == {}
+    for _ in range(300):
+        sp.verified(Row(), 4, 2)  # accepted again: the prior follows
+    assert sp.prior() > 0.9
 
 
 def test_step_cost_model_reads_the_knee():

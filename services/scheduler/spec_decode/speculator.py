@@ -21,11 +21,17 @@ from services.scheduler.sequence import Sequence
 from services.scheduler.spec_decode.ngram import TokenBuffer, propose_ngram
 from services.scheduler.spec_decode.policy import AcceptanceRate, Candidate, StepCostModel, plan_drafts
 
-# A sequence's acceptance estimate starts here and follows its own drafts (_PRIOR_WEIGHT positions'
-# worth): acceptance depends on the request (a copy task accepts most drafts, free text few), so a replica-
-# wide prior could turn speculation off for good after a run of requests that reject, and no later copy
-# task would ever get a first draft. A sequence that rejects its first few drafts stops drafting.
+# A sequence's acceptance estimate starts from a prior and follows its own drafts (_PRIOR_WEIGHT positions'
+# worth). The prior is the replica's recent first-draft acceptance (exponentially weighted, starting at
+# _INITIAL_RATE), floored at _PRIOR_FLOOR: acceptance depends on the request (a copy task accepts most
+# drafts, free text few), and a prior of zero after a run of requests that reject would turn speculation
+# off for good, so that no later copy task got a first draft. At the floor a new sequence still drafts
+# where drafts are nearly free (a small batch: threshold ~1/knee) and not where the batch is compute-bound
+# (batch 64 at a knee of ~330 tokens: threshold 0.16), which is where a drafter that never agrees (a
+# random draft model: 16% of throughput at batch 64 with a fixed prior of 0.5) cost the most.
 _INITIAL_RATE = 0.5
+_PRIOR_FLOOR = 0.1
+_PRIOR_DECAY = 0.98  # per verified draft: the replica's prior remembers about the last 50
 
 
 class SpecState:
@@ -74,6 +80,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.cost = StepCostModel(pinned_knee=config.knee_tokens)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self.replica_first_rate = _INITIAL_RATE
 
     @staticmethod
     def eligible(req: Sequence) -> bool:
@@ -108,7 +115,7 @@ class Speculator:
         if budget <= 0 or (cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size):
             return out
         knee = self.cost.knee
-        prior = _INITIAL_RATE
+        prior = self.prior()
         threshold = step_tokens / (knee + step_tokens)
         candidates: list[Candidate] = []
         proposals: dict[str, list[int]] = {}
@@ -129,7 +136,7 @@ class Speculator:
                 # this step: as many as the plan gives (the row is a candidate even without drafts now).
                 if n == 1 and state.proposed_at == req.num_tokens:
                     proposals[req.seq_id] = self._cut(req, state.proposed[:limit])
-                candidates.append(Candidate(req, limit, accept, state.rate.then_rate(prior)))
+                candidates.append(Candidate(req, limit, accept, state.rate.then_rate(_INITIAL_RATE)))
                 continue
             if n != 1:
                 continue
@@ -137,7 +144,7 @@ class Speculator:
                                                   cfg.prompt_lookup_max, limit))
             if drafts:
                 proposals[req.seq_id] = drafts
-                candidates.append(Candidate(req, len(drafts), accept, state.rate.then_rate(prior)))
+                candidates.append(Candidate(req, len(drafts), accept, state.rate.then_rate(_INITIAL_RATE)))
         if not candidates:
             return out
         for req, k in plan_drafts(candidates, step_tokens, budget, knee).items():
@@ -148,6 +155,10 @@ class Speculator:
                 out.propose[req.seq_id] = k
         return out
 
+    def prior(self) -> float:
+        """A new sequence's first-draft acceptance prior: the replica's recent rate, at least _PRIOR_FLOOR."""
+        return max(_PRIOR_FLOOR, self.replica_first_rate)
+
     def verified(self, req: Sequence, num_drafts: int, num_accepted: int) -> None:
         s = self.stats
         s.num_drafts += 1
@@ -155,6 +166,9 @@ class Speculator:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.num_accepted_tokens_per_pos[i] += 1
+        if num_drafts:
+            hit = 1.0 if num_accepted else 0.0
+            self.replica_first_rate = _PRIOR_DECAY * self.replica_first_rate + (1 - _PRIOR_DECAY) * hit
         if req.drafting is not None:
             req.drafting.rate.observe(num_drafts, num_accepted)
 
