@@ -306,8 +306,7 @@ class StepInputBuilder:
         return StepInputs(layout, host, num_tokens, nd, decode_max, max_q, max_ctx, spans, rows, owners,
                           num_copies=len(pairs), num_real_decodes=nd,
                           lora_segments=self._lora_segments(decodes + prefills),
-                          drafts={s.seq_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
-                                  for s in prefills if s.num_draft_tokens},
+                          drafts=_drafts(prefills),
                           token_offsets=self._offsets(decodes + prefills))
 
     @staticmethod
@@ -355,8 +354,13 @@ class StepInputBuilder:
         assert len(rows) == nd, "every real row of a graph step is sampled"
         return StepInputs(layout, host, size, size, width * self.limits.block_size, 0, 0, [], rows, owners,
                           graph_batch=size, num_real_decodes=nd, lora_segments=self._lora_segments(rows_in),
-                          drafts={s.seq_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in verifies},
+                          drafts=_drafts(verifies),
                           token_offsets=self._offsets(ordered))
+
+
+def _drafts(seqs) -> dict[str, list[int]]:
+    """seq_id -> the draft tokens it verifies (the last num_draft_tokens of its tokens), for those with any."""
+    return {s.seq_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:] for s in seqs if s.num_draft_tokens}
 
 
 def _verify_only(s) -> bool:

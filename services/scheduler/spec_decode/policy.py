@@ -17,7 +17,9 @@ The knee is measured online: every step's wall time and token count feed an expo
 least-squares fit of t = a + b*T (knee = a / b), so it follows the device and what shares it. A draft's
 probability is the product of its sequence's conditional acceptance rates up to its position (the i-th
 draft is kept only if all i - 1 before it are), with two rates per sequence: c1 for a first draft, c for
-each later one given the one before it was accepted (each starting from 1/2 worth four trials). They
+each later one given the one before it was accepted (each starting from a prior worth four trials: for
+c1 the replica's recent first-draft rate, at least 0.1, services/scheduler/spec_decode/speculator.py; for
+c, 1/2). They
 differ: once a draft's first token is right, the model is usually copying, and the next is likelier
 (n-gram drafts on the copy-heavy bench: 0.48 at the first position, 0.7-0.9 after it). A single rate
 would cut long drafts that are worth their compute.
