@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -185,8 +186,46 @@ torch::Tensor bf16_grouped_gemm(torch::Tensor x, torch::Tensor packed, torch::Te
   return y;
 }
 
+// The chip's bfloat16 dot-product peak, GFLOP/s over every thread: 24 independent vdpbf16ps chains per
+// thread for about `seconds`. `bench gemm` divides the GEMM's rate by it (a GEMM at 85% of it has little
+// left to gain on a CPU without AMX; only fewer multiplications would be faster).
+double bf16_dot_peak_gflops(double seconds) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> rate(threads, 0.0);
+  std::vector<float> sink(threads, 0.f);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m512 acc[24];
+      for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
+      __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3c00);
+      int64_t rounds = 0;
+      const auto start = std::chrono::steady_clock::now();
+      double elapsed = 0;
+      do {
+        for (int r = 0; r < 100000; ++r) {
+#pragma GCC unroll 24
+          for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+          asm volatile("" : "+v"(a));  // a fresh operand each round: the loop is not folded away
+        }
+        rounds += 100000;
+        elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      } while (elapsed < seconds);
+      float total = 0.f;
+      for (int i = 0; i < 24; ++i) total += _mm512_reduce_add_ps(acc[i]);
+      sink[t] = total;
+      rate[t] = rounds * 24.0 * 64.0 / elapsed;  // 16 lanes x 2 products x 2 FLOP per instruction
+    }
+  });
+  volatile float keep = 0.f;
+  for (const float v : sink) keep = keep + v;
+  double sum = 0;
+  for (const double r : rate) sum += r;
+  return sum / 1e9;
+}
+
 #else  // built for a CPU without AVX512-BF16: the engine keeps oneDNN
 bool bf16_gemm_supported() { return false; }
+double bf16_dot_peak_gflops(double) { return 0.0; }
 
 torch::Tensor bf16_gemm(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "bf16_gemm: this build has no AVX512-BF16");

@@ -317,6 +317,7 @@ torch::Tensor bf16_gemm(torch::Tensor x, torch::Tensor packed, int64_t out_featu
 torch::Tensor bf16_grouped_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor offsets, int64_t out_features,
                                 c10::optional<torch::Tensor> bias);
 bool bf16_gemm_supported();
+double bf16_dot_peak_gflops(double seconds);
 // Defined in quant_gemm.cpp.
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int64_t group_size, torch::Tensor scale,
                          c10::optional<torch::Tensor> offset, c10::optional<torch::Tensor> zero, double zero_const,
@@ -350,6 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm", &bf16_gemm, "x @ w.T (+ bias) over a packed bfloat16 weight (AVX512-BF16)");
   m.def("bf16_grouped_gemm", &bf16_grouped_gemm, "each expert's rows of x times its packed weight, one call "
         "for a mixture-of-experts layer (AVX512-BF16)");
+  m.def("bf16_dot_peak_gflops", &bf16_dot_peak_gflops, "the AVX512-BF16 dot-product peak over every thread, "
+        "GFLOP/s (0 without AVX512-BF16)", py::arg("seconds") = 0.5);
   m.def("bf16_gemm_supported", &bf16_gemm_supported, "whether this build has the AVX512-BF16 GEMM");
   m.def("quant_gemm", &quant_gemm, "x @ dequantize(codes).T (+ bias) over 4-bit, 8-bit or fp8 codes (AVX512-BF16)",
         py::arg("x"), py::arg("codes"), py::arg("kind"), py::arg("group_size"), py::arg("scale"), py::arg("offset"),

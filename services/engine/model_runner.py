@@ -27,6 +27,7 @@ import kernels.cpu as cpu_kernels
 from services.contracts.step_protocol import EngineInfo, ModelRunnerOutput, SchedulerOutput
 from services.engine.attention import AttentionMetadata, resolve_backend
 from services.engine.config import EngineConfig
+from services.engine.cpu_allocator import tune_cpu_heap
 from services.engine.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_rows
 from services.engine.kernel_warmup import warm_up
 from services.engine.kv_cache_fp8 import cache_dtype
@@ -121,6 +122,8 @@ class ModelRunner:
         self.group = group
         self.device = group.device if group is not None else pick_device(config.device)
         self.dtype = _DTYPES[dtype]
+        if self.device.type == "cpu":
+            tune_cpu_heap()  # before the weights load: every later step's tensors come from the heap
         backend = resolve_backend(config.attention_backend, self.device)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             log.warning("float16 on the CPU is slow; bfloat16 is the fast half-precision type there")

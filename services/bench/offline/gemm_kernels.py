@@ -3,8 +3,10 @@
 For each linear of the model (its out x in features, the Llama shapes read from its config) and each
 row count m, the wall time of pagedserve's AVX512-BF16 `bf16_gemm` on its packed panels and of PyTorch's
 `F.linear` (oneDNN: on AMX tiles where the CPU has them and `ONEDNN_MAX_CPU_ISA` allows), as GFLOP/s,
-medians of timed batches; then the rate of a plain 1 GiB bfloat16 copy, the bound of every step that
-reads the weights or the KV cache once. The engine's choice between the two GEMMs is printed beside
+medians of timed batches, and `bf16_gemm`'s share of the chip's bfloat16 dot-product peak (vdpbf16ps on
+every thread, measured in the same run: the ceiling of any exact bf16 GEMM on a CPU without AMX); then the
+rates of a plain 1 GiB bfloat16 copy and of a 1 GiB read, the bounds of every step that reads the weights
+or the KV cache once. The engine's choice between the two GEMMs is printed beside
 (services/engine/linear.py). The kernels run on what they just read, so small shapes time cache-resident
 weights: the figures are the kernels' rates, not a decode step's.
 """
@@ -55,6 +57,20 @@ def copy_rate_gb_s(gib: float = 1.0) -> float:
     return 2 * x.numel() * 2 / statistics.median(times) / 1e9  # read + write
 
 
+def read_rate_gb_s(gib: float = 1.0) -> float:
+    """A float32 sum over `gib` GiB on every thread: reads only (a decode step's KV and weights are reads)."""
+    import torch
+
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
 def run(args) -> int:
     import torch
     import torch.nn.functional as F
@@ -73,8 +89,14 @@ def run(args) -> int:
           f"{report['amx_in_use']}); ONEDNN_MAX_CPU_ISA={report['ONEDNN_MAX_CPU_ISA']}", flush=True)
     if not ours:
         print("pagedserve's bf16_gemm is not built for this CPU (no AVX512-BF16): oneDNN only", flush=True)
+    peak = mod.bf16_dot_peak_gflops(0.5) if ours else None
+    report["bf16_dot_peak_gflops"] = peak
+    if peak:
+        print(f"bfloat16 dot-product peak (vdpbf16ps, {torch.get_num_threads()} threads): {peak:.0f} GFLOP/s",
+              flush=True)
     torch.manual_seed(args.seed)
-    print(f"{'linear':<8}{'out x in':>12}{'m':>6}{'bf16_gemm GFLOP/s':>20}{'F.linear GFLOP/s':>19}", flush=True)
+    print(f"{'linear':<8}{'out x in':>12}{'m':>6}{'bf16_gemm GFLOP/s':>20}{'of peak':>9}{'F.linear GFLOP/s':>19}",
+          flush=True)
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k).bfloat16()
         packed = mod.bf16_gemm_pack(w.contiguous()) if ours else None
@@ -83,12 +105,16 @@ def run(args) -> int:
             flops = 2.0 * m * n * k
             mine = _rate(lambda: mod.bf16_gemm(x, packed, n, None), flops) if ours else None  # noqa: B023
             theirs = _rate(lambda: F.linear(x, w), flops)  # noqa: B023
+            share = mine / peak if mine is not None and peak else None
             report["rows"].append({"linear": name, "out": n, "in": k, "m": m, "bf16_gemm_gflops": mine,
-                                   "torch_linear_gflops": theirs})
+                                   "bf16_gemm_share_of_peak": share, "torch_linear_gflops": theirs})
             mine_s = f"{mine:.0f}" if mine is not None else "-"
-            print(f"{name:<8}{f'{n}x{k}':>12}{m:>6}{mine_s:>20}{theirs:>19.0f}", flush=True)
+            share_s = f"{share:.0%}" if share is not None else "-"
+            print(f"{name:<8}{f'{n}x{k}':>12}{m:>6}{mine_s:>20}{share_s:>9}{theirs:>19.0f}", flush=True)
     report["copy_gb_s"] = copy_rate_gb_s()
-    print(f"memory: a 1 GiB bfloat16 copy moves {report['copy_gb_s']:.1f} GB/s (read + write)", flush=True)
+    report["read_gb_s"] = read_rate_gb_s()
+    print(f"memory: a 1 GiB bfloat16 copy moves {report['copy_gb_s']:.1f} GB/s (read + write); a 1 GiB read "
+          f"{report['read_gb_s']:.1f} GB/s", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0
