@@ -5,8 +5,9 @@ is 12 MB, its logits and attention buffers megabytes) sit above glibc's mmap thr
 fresh mmap whose pages the kernel faults in and zeroes on first touch, and a munmap when freed; and
 memory freed at the top of the heap is trimmed back to the kernel, to be faulted in again. On a 2-core
 Intel Xeon VM a W2 run of the bundled model took 0.5-1.4 million page faults this way, 19-40 thousand
-with the threshold and the trim held high, and ran 5-13% faster (`bench throughput --workload w2`,
-alternating runs). vLLM's CPU backend preloads tcmalloc for the same reason; setting glibc's own two
+with the threshold and the trim held high, and ran 4-7% faster (`bench throughput --workload w2`,
+alternating runs). vLLM's CPU backend preloads tcmalloc for the same reason (where its wheel bundles it; the
+vLLM 0.32 wheel measured against here does not); setting glibc's own two
 knobs needs no library in the image and no re-exec.
 
 `tune_cpu_heap()` runs once per engine process on a CPU device, before the weights load. A libc without
