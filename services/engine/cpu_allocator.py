@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -33,14 +34,10 @@ MMAP_THRESHOLD = 32 << 20
 # under this, and returning it only to fault it back next step is the cost being removed.
 TRIM_THRESHOLD = 1 << 30
 
-_done: dict[str, bool] = {}
 
-
+@functools.cache  # once per process: later calls (every tensor-parallel rank's runner) return the first answer
 def tune_cpu_heap() -> bool:
-    """Hold glibc's mmap and trim thresholds high for this process (once). True when they were set."""
-    if "result" in _done:
-        return _done["result"]
-    _done["result"] = False
+    """Hold glibc's mmap and trim thresholds high for this process. True when they were set."""
     if any(k.startswith("MALLOC_") for k in os.environ) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         log.info("C heap: MALLOC_*/GLIBC_TUNABLES set in the environment, left as given")
         return False
@@ -58,5 +55,4 @@ def tune_cpu_heap() -> bool:
                  MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     else:
         log.warning("C heap: mallopt refused the thresholds; step tensors stay mapped per allocation")
-    _done["result"] = ok
     return ok

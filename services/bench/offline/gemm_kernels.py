@@ -43,18 +43,22 @@ def model_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
             "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
 
 
+def _median_seconds(fn, runs: int = 5) -> float:
+    fn()  # first touch: pages faulted in, not timed
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def copy_rate_gb_s(gib: float = 1.0) -> float:
     import torch
 
     x = torch.ones(int(gib * (1 << 30)) // 2, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    y.copy_(x)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        y.copy_(x)
-        times.append(time.perf_counter() - start)
-    return 2 * x.numel() * 2 / statistics.median(times) / 1e9  # read + write
+    return 2 * x.numel() * 2 / _median_seconds(lambda: y.copy_(x)) / 1e9  # read + write
 
 
 def read_rate_gb_s(gib: float = 1.0) -> float:
@@ -62,13 +66,7 @@ def read_rate_gb_s(gib: float = 1.0) -> float:
     import torch
 
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / _median_seconds(x.sum) / 1e9
 
 
 def run(args) -> int:
