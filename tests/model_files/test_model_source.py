@@ -33,3 +33,31 @@ def test_a_written_directory_is_readable_by_every_user(tmp_path):
     modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
     assert modes == {".": 0o755, "model.safetensors": 0o644, "sub": 0o755, "sub/f": 0o644}, modes
     assert Path(out).is_dir()
+
+
+def test_the_conversion_cache_is_keyed_by_the_file_not_its_path(tmp_path, monkeypatch):
+    """Two checkouts (two virtualenvs, two paths to the same bundled file) share one conversion; a file
+    with other contents, or replaced at the same path, gets its own."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    data = os.urandom(3 << 20)
+    first = tmp_path / "venv-a" / "m.Q4_1.gguf"
+    second = tmp_path / "venv-b" / "m.Q4_1.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    shutil.copystat(first, second)  # pip gives every install of a wheel the same mtimes
+    assert ms._converted_dir_for(first) == ms._converted_dir_for(second)
+    assert ms._converted_dir_for(first).parent == tmp_path / "cache" / "models"
+
+    tail_changed = tmp_path / "venv-c" / "m.Q4_1.gguf"
+    tail_changed.parent.mkdir()
+    tail_changed.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    shutil.copystat(first, tail_changed)
+    assert ms._converted_dir_for(tail_changed) != ms._converted_dir_for(first)
+
+    stat = first.stat()
+    os.utime(second, (stat.st_atime, stat.st_mtime + 5))  # replaced in place: a new mtime
+    assert ms._converted_dir_for(second) != ms._converted_dir_for(first)
