@@ -50,10 +50,9 @@ print('' if os.path.exists(sysconfig.get_paths()['include'] + '/Python.h') else 
 # The CUDA image keeps its compiler (Triton's launcher), so it builds on its own base.
 FROM base-cuda AS compiler-cuda
 
-FROM base-${ENGINE_DEVICE} AS base
-FROM compiler-${ENGINE_DEVICE} AS compiler
-
-FROM compiler AS build
+# No `FROM compiler-${ENGINE_DEVICE} AS compiler` alias stages: a stage that is only a FROM is committed as a
+# new image on every build (the build's label goes on it), and every step after it then misses the cache.
+FROM compiler-${ENGINE_DEVICE} AS build
 ARG ENGINE_DEVICE
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL
@@ -102,7 +101,7 @@ RUN PAGEDSERVE_CACHE_DIR=/tmp/cache python -c "from pathlib import Path; \
 from services.model_files.model_source import convert_gguf, default_gguf_path; \
 convert_gguf(default_gguf_path(), Path('/opt/pagedserve/default-model'))"
 
-FROM base
+FROM base-${ENGINE_DEVICE}
 ARG ENGINE_DEVICE
 ARG VERSION=0.1.0
 ARG REVISION=unknown

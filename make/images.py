@@ -35,7 +35,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
+
+# make/ is this script's directory when run, not when a test loads it by path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from image_storage import BUILD_LABEL, free_bytes, prune, room_to_build, step_images  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = REPO / ".images"
@@ -75,11 +80,13 @@ def find_engine(install: bool = True) -> dict:
     if shutil.which("podman"):
         cli = ["podman"] + (["--runtime", "runc"] if shutil.which("runc") else [])
         if run(cli + ["info"], capture_output=True).returncode == 0:
-            return {"kind": "podman", "cli": cli, "build": cli + ["build", "--layers"] + _ulimits(),
+            return {"kind": "podman", "cli": cli,
+                    "build": cli + ["build", "--layers", "--force-rm", "--label", BUILD_LABEL] + _ulimits(),
                     "run_flags": _ulimits()}
     if shutil.which("docker") and run(["docker", "buildx", "version"], capture_output=True).returncode == 0 \
             and run(["docker", "info"], capture_output=True).returncode == 0:
-        return {"kind": "docker", "cli": ["docker"], "build": ["docker", "buildx", "build", "--load"],
+        return {"kind": "docker", "cli": ["docker"],
+                "build": ["docker", "buildx", "build", "--load", "--label", BUILD_LABEL],
                 "run_flags": []}
     if install and os.geteuid() == 0 and shutil.which("apt-get"):
         log("no podman or docker with buildx here: installing Debian's podman, buildah and runc")
@@ -179,6 +186,11 @@ def pip_settings() -> dict[str, str]:
     return out
 
 
+# Ports for the find-links server: below Linux's ephemeral range (32768-60999), so no outgoing
+# connection holds one.
+_LINK_PORTS = (29100, 29900)
+
+
 class LinkServer:
     """Local find-links directories, served over HTTP on 127.0.0.1 while a build runs (a build stage on
     the host network reaches them; nothing is copied into a build context or an image)."""
@@ -188,10 +200,22 @@ class LinkServer:
         self._servers = []
         for directory in directories:
             handler = functools.partial(_QuietHandler, directory=str(directory))
-            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            server = self._bind(directory, handler)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             self._servers.append(server)
             self.urls.append(f"http://127.0.0.1:{server.server_address[1]}/")
+
+    @staticmethod
+    def _bind(directory: Path, handler) -> http.server.ThreadingHTTPServer:
+        """The same port for the same directory, build after build: the URL reaches the build stages as
+        the PIP_FIND_LINKS build arg, and podman keys every later RUN step's cache on the build args, so
+        a new port each time rebuilt every stage after it (torch installed again, ~4 GB of new layers per
+        build). A port already taken falls back to any free one (that build then misses the cache)."""
+        port = _LINK_PORTS[0] + zlib.crc32(str(directory.resolve()).encode()) % (_LINK_PORTS[1] - _LINK_PORTS[0])
+        try:
+            return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        except OSError:
+            return http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
 
     def close(self) -> None:
         for server in self._servers:
@@ -310,6 +334,8 @@ def cmd_build(ns) -> int:
             print(f"container-e2e: skipped, no container can run here: {engine['error']}", flush=True)
             return 0
         raise SystemExit(f"images: {engine['error']}")
+    if not room_to_build(engine, STATE, ns.if_possible, log):
+        return 0
     pip = pip_settings()
     link_dirs = [Path(u.removeprefix("file://")) for u in pip.get("find-links", "").split()
                  if not u.startswith("http") and Path(u.removeprefix("file://")).is_dir()]
@@ -334,6 +360,11 @@ def cmd_build(ns) -> int:
     finally:
         if links:
             links.close()
+    # This build's steps are the next build's layer cache; what earlier builds left is removed.
+    keep = set().union(*(step_images((STATE / f"build-{t}.log").read_text()) for t in ns.targets.split(",")))
+    removed, freed = prune(engine, keep)
+    log(f"removed {removed} untagged images of earlier builds ({freed / 1e9:.1f} GB freed); "
+        f"{free_bytes(engine) / 1e9:.1f} GB free")
     report["total_seconds"] = round(time.monotonic() - started)
     previous = json.loads((STATE / "report.json").read_text()) if (STATE / "report.json").exists() else {}
     previous.setdefault("images", {}).update(report["images"])
