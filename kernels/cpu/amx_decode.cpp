@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "simd_exp.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -34,14 +35,6 @@ bool amx_permitted() {
   return ok;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tile roles: 0 scores^T [16 x R] f32, 1 key rows or value rows [16 x 32 dims], 2 Q^T pairs
 // [16 x R pairs], 3 probabilities [R x 16 tokens, each paired with a zero], 4-7 outputs [R x 16] f32:
 // (dims 0-31 even, odd), (dims 32-63 even, odd) of the current 64-dim sweep.
@@ -51,9 +44,7 @@ void configure_tiles(int R) {
   cfg.rows[1] = 16; cfg.colsb[1] = 64;
   cfg.rows[2] = 16; cfg.colsb[2] = static_cast<uint16_t>(4 * R);
   for (int t = 3; t < 8; ++t) { cfg.rows[t] = static_cast<uint8_t>(R); cfg.colsb[t] = 64; }
-  // Not _tile_loadconfig: GCC 12's macro tells the compiler it reads only a pointer's worth of the
-  // struct, so the rest may not be stored yet when the instruction runs (#GP on a garbage config).
-  asm volatile("ldtilecfg %0" : : "m"(cfg));
+  load_tile_config(cfg);
 }
 
 // Consecutive sequences whose block tables start with the same blocks; `shared` tokens (a multiple

@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / n for n in (
     "paged_decode.cpp", "decode_bf16.cpp", "amx_decode.cpp", "fused_ops.cpp", "bf16_gemm.cpp", "prefill_bf16.cpp",
-    "quant_gemm.cpp")]
-HEADERS = [HERE / "widen.h", HERE / "simd_exp.h"]
+    "quant_gemm.cpp", "amx_prefill.cpp")]
+HEADERS = [HERE / "widen.h", HERE / "simd_exp.h", HERE / "amx_tiles.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 DEFAULT_WAIT_TIMEOUT = 900.0

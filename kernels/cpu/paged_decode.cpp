@@ -326,6 +326,9 @@ torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor codes, int64_t kind, int
 bool quant_gemm_supported();
 // Defined in prefill_bf16.cpp.
 torch::Tensor prefill_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset);
+// Defined in amx_prefill.cpp: the same causal prefill on AMX tiles.
+torch::Tensor amx_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, int64_t q_offset);
+bool amx_prefill_supported(int64_t head_dim);
 bool prefill_bf16_supported(int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -361,4 +364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_bf16", &prefill_bf16, "causal attention of new tokens over their keys, after q_offset earlier ones (AVX512-BF16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("q_offset") = 0);
   m.def("prefill_bf16_supported", &prefill_bf16_supported, "whether prefill_bf16 takes this head_dim here");
+  m.def("amx_prefill", &amx_prefill, "causal attention of new tokens over their keys, after q_offset earlier ones (AMX)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("q_offset") = 0);
+  m.def("amx_prefill_supported", &amx_prefill_supported, "whether amx_prefill takes this head_dim here (AMX usable)");
 }

@@ -102,6 +102,14 @@ def add_bench(sub) -> None:
     gk.add_argument("--seed", type=V.integer(), default=0)
     gk.add_argument("--json", dest="json_path", default=None)
     gk.set_defaults(handler="services.bench.offline.gemm_kernels:run")
+    pa = bsub.add_parser("prefill-attention", help="a fresh prompt's causal attention at the model's head shape: "
+                         "PyTorch's CPU flash attention against pagedserve's AMX and AVX512-BF16 kernels, per length")
+    pa.add_argument("--model", default=None, help="whose head shape (default: the bundled model)")
+    pa.add_argument("--lengths", type=V.positive_ints, default=[32, 64, 128, 256, 512, 1024, 1536, 2048],
+                    help="prompt lengths, comma-separated")
+    pa.add_argument("--seed", type=V.integer(), default=0)
+    pa.add_argument("--json", dest="json_path", default=None)
+    pa.set_defaults(handler="services.bench.offline.prefill_kernels:run")
     ba = bsub.add_parser("before-after", help="bench throughput of this checkout against an earlier revision's, "
                          "alternating runs in one command, ratio of medians")
     ba.add_argument("--before", required=True, help="the earlier git revision (checked out in a temporary worktree)")

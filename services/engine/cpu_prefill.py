@@ -1,11 +1,14 @@
 """Prefill attention on the CPU: fresh prompts over their own new keys, continuations over the cache.
 
 A prompt computed whole in one step attends only to its own new keys, no gather back out of the
-cache: in bfloat16 on AVX512-BF16 without AMX through `kernels/cpu/prefill_bf16.cpp` (both products as
-bf16 dot-product tiles; 1.8x PyTorch's CPU flash attention at 512 tokens), otherwise causal SDPA.
+cache: in bfloat16 on AMX through `kernels/cpu/amx_prefill.cpp` (both products on the tiles; 1.5-1.8x
+PyTorch's CPU flash attention at 32-512 tokens, up to AMX_PREFILL_MAX_TOKENS), on AVX512-BF16 without
+AMX through `kernels/cpu/prefill_bf16.cpp` (both products as bf16 dot-product tiles; 1.8x PyTorch's CPU
+flash attention at 512 tokens), otherwise causal SDPA.
 Continuations (a chunk after earlier chunks, or after a prefix-cache hit) read their context from the
-paged cache. Long ones (GATHER_MIN_TOKENS new tokens or more), where the fresh-prompt kernel runs,
-have their context gathered out of the cache and go through that kernel with the chunk's offset. The
+paged cache. Without AMX, long ones (GATHER_MIN_TOKENS new tokens or more) have their context gathered
+out of the cache and go through the AVX512-BF16 kernel with the chunk's offset (not on AMX: see
+`_gather_kernel`). The
 rest, in bfloat16, go through the decode kernel in one call per layer: new token j of a chunk is a
 query whose context ends at its own position. On AMX, consecutive tokens of a chunk share
 every block before them, which the kernel's units read once for up to 16 query rows; on AVX-512 alone
@@ -37,6 +40,12 @@ from kernels.reference import causal_mask, prefill_attention_ref
 # prefill kernel rather than token by token by the decode kernel. Measured on an AMD EPYC (2 threads):
 # 1.1-1.2x for 64-512 new tokens over 448-2048 of context, 0.8x for 32 over 300.
 GATHER_MIN_TOKENS = 64
+# The longest fresh prompt the AMX prefill kernel takes; longer ones go to PyTorch's flash attention, whose
+# blocked softmax catches up there. `pagedserve bench prefill-attention` on a 2-core Intel Xeon with AMX
+# (docs/bench-prefill-attention-xeon-amx*.json): the kernel at 1.3-2.8x SDPA's speed for 32-512 tokens and
+# 1.25x at 1,024 (head_dim 64); 1.09-1.14x at 1,536-2,048 in that run, 0.94-0.98x in an earlier one; at
+# head_dim 128, 1.15x at 1,024 and 0.93x at 2,048.
+AMX_PREFILL_MAX_TOKENS = 1024
 
 
 def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -65,10 +74,10 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             return load().paged_decode(q, k_cache, v_cache, tables, lens, scale, 0, 0.0, None)
     out = torch.empty_like(q)
     gqa = k.shape[1] != q.shape[1]
-    fresh_kernel = _fresh_kernel(q)
     continuing = []
     for i, (start, end, ctx) in enumerate(spans):
-        if end - start == ctx and fresh_kernel is not None:
+        fresh_kernel = _fresh_kernel(q, end - start) if end - start == ctx else None
+        if fresh_kernel is not None:
             out[start:end] = fresh_kernel(q[start:end], k[start:end], v[start:end], scale)
         elif end - start == ctx:
             o = F.scaled_dot_product_attention(
@@ -77,9 +86,10 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
             out[start:end] = o.transpose(0, 1)
         else:
             continuing.append(i)
-    if continuing and fresh_kernel is not None:
+    gather_kernel = _gather_kernel(q)
+    if continuing and gather_kernel is not None:
         # Long chunks: their context gathered once and attended by the prefill kernel, which reads each
-        # key once for 16 query tokens; the decode kernel would read it once per token.
+        # key once for 16 query tokens; the AVX-512 decode kernel would read it once per token.
         short = []
         for i in continuing:
             start, end, ctx = spans[i]
@@ -87,7 +97,7 @@ def prefill_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                 short.append(i)
                 continue
             keys, values = _gathered_context(k_cache, v_cache, block_tables, i, ctx, step_cache, q.dtype)
-            out[start:end] = fresh_kernel(q[start:end], keys, values, scale, ctx - (end - start))
+            out[start:end] = gather_kernel(q[start:end], keys, values, scale, ctx - (end - start))
         continuing = short
         if not continuing:
             return out
@@ -122,7 +132,7 @@ def _step_route(q: torch.Tensor, k_cache: torch.Tensor, spans: list[tuple[int, i
     "mixed" otherwise."""
     if not spans or not _decode_kernel_takes(q, k_cache):
         return "mixed"
-    short_only = _fresh_kernel(q) is not None
+    short_only = _gather_kernel(q) is not None
     for start, end, ctx in spans:
         if end - start == ctx or (short_only and end - start >= GATHER_MIN_TOKENS):
             return "mixed"
@@ -152,15 +162,29 @@ def _gathered_context(k_cache, v_cache, block_tables, i: int, ctx: int, step_cac
             v_cache.index_select(0, blocks).view(-1, kv_heads, dim)[:ctx].to(dtype))
 
 
-def _fresh_kernel(q: torch.Tensor):
-    # bfloat16 only, as for continuations (float32 keeps SDPA); and not where AMX is in use, where
-    # PyTorch's flash attention runs its products on the tiles.
-    if q.dtype != torch.bfloat16 or amx_in_use():
+def _fresh_kernel(q: torch.Tensor, tokens: int = 0):
+    """The C++ kernel for a fresh prompt of `tokens` tokens, or None for SDPA. bfloat16 only, as for
+    continuations (float32 keeps SDPA): the AMX kernel where AMX is in use (up to AMX_PREFILL_MAX_TOKENS),
+    else the AVX512-BF16 one."""
+    if q.dtype != torch.bfloat16:
         return None
     mod = load()  # None without a compiler or with PAGEDSERVE_CPU_KERNELS=0: SDPA then
     if mod is None:
         return None
+    if amx_in_use():
+        usable = mod.amx_prefill_supported(q.shape[2]) and tokens <= AMX_PREFILL_MAX_TOKENS
+        return mod.amx_prefill if usable else None
     return mod.prefill_bf16 if mod.prefill_bf16_supported(q.shape[2]) else None
+
+
+def _gather_kernel(q: torch.Tensor):
+    """The kernel that attends long continuations over their gathered context, or None: then every
+    continuation goes through the decode kernel. On AMX the decode kernel's units read each shared block
+    once for up to 16 query rows and need no gather. Timed once on a 2-core Intel Xeon with AMX (30 layers'
+    calls, alternating; an ad hoc script, not a bench command), gathering and the AMX prefill kernel took
+    1.23x the decode route's time for 24 chunks of 64 tokens after a shared 384-token prefix (W3's shape),
+    1.00x for 8 x 128, and 0.85x for 4 unshared chunks of 256 after 256: not worth a second route."""
+    return None if amx_in_use() else _fresh_kernel(q)
 
 
 def _decode_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

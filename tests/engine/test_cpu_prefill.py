@@ -65,10 +65,10 @@ def test_bfloat16_continuations_through_the_kernels(block_size, amx):
     finally:
         mod.set_amx_enabled(previous)
     assert "decodes" in step_cache  # the short continuations went through the decode kernel
-    from services.engine.cpu_prefill import _fresh_kernel
+    from services.engine.cpu_prefill import _gather_kernel
 
     gathered = {key for key in step_cache if isinstance(key, int)}  # contexts gathered out of the cache
-    assert gathered == ({2, 5} if _fresh_kernel(inp.q) is not None else set())  # the 64-token chunks
+    assert gathered == ({2, 5} if _gather_kernel(inp.q) is not None else set())  # the 64-token chunks
     assert not out.isnan().any()
     assert rel_err(out, dense_attention(inp)) <= 1e-2
 
@@ -110,3 +110,33 @@ def test_a_step_of_short_continuations_is_one_decode_call(amx):
     prefill_attention_cpu(q, k, k, inp.k_cache, inp.v_cache, inp.block_tables, [(0, 5, 5)] + spans[1:],
                           inp.scale, mixed)
     assert mixed["route"] == "mixed"
+
+
+def test_bfloat16_fresh_prompts_take_the_kernel_their_length_calls_for():
+    """In bfloat16, fresh prompts up to AMX_PREFILL_MAX_TOKENS go through the AMX prefill kernel where AMX is
+    in use (the AVX512-BF16 one without it), longer ones through SDPA there; every route matches float64."""
+    from kernels.cpu import amx_in_use, load
+    from services.engine import cpu_prefill
+
+    mod = load()
+    if mod is None:
+        pytest.fail("the CPU kernels did not compile")
+    limit = cpu_prefill.AMX_PREFILL_MAX_TOKENS
+    lens = [40, limit, limit + 1]
+    inp = make_paged_inputs(lens, lens, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                            dtype=torch.bfloat16)
+    q = inp.q
+    if amx_in_use():
+        assert cpu_prefill._fresh_kernel(q, 40) is mod.amx_prefill
+        assert cpu_prefill._fresh_kernel(q, limit) is mod.amx_prefill
+        assert cpu_prefill._fresh_kernel(q, limit + 1) is None  # SDPA
+        assert cpu_prefill._gather_kernel(q) is None  # continuations keep the AMX decode kernel
+    elif mod.prefill_bf16_supported(64):
+        assert cpu_prefill._fresh_kernel(q, limit + 1) is mod.prefill_bf16
+    starts = inp.query_start_loc.tolist()
+    spans = [(starts[i], starts[i + 1], lens[i]) for i in range(len(lens))]
+    slots = [inp.block_tables[i, p // 16].item() * 16 + p % 16 for i, n in enumerate(lens) for p in range(n)]
+    k, v = inp.k_cache.view(-1, 3, 64)[slots], inp.v_cache.view(-1, 3, 64)[slots]
+    out = prefill_attention_cpu(q, k, v, inp.k_cache, inp.v_cache, inp.block_tables, spans, inp.scale)
+    assert not out.isnan().any()
+    assert rel_err(out, dense_attention(inp)) <= 1e-2

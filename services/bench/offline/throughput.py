@@ -177,7 +177,8 @@ def machine() -> dict:
     paths = {"linears": "none (no C++ kernels)" if mod is None else cpu_gemm_choice(), "amx_in_use": False}
     if mod is not None:
         paths["amx_in_use"] = cpu_kernels.amx_in_use()
-        paths["prefill_kernel"] = bool(mod.prefill_bf16_supported(64))
+        paths["prefill_kernel"] = ("amx" if paths["amx_in_use"] and mod.amx_prefill_supported(64) else
+                                   "avx512-bf16" if mod.prefill_bf16_supported(64) else "sdpa")
         paths["decode_kernel"] = ("amx" if paths["amx_in_use"] else
                                   "avx512-bf16" if mod.decode_bf16_usable(3, 64, 3) else "portable")
     return {"cpu": model, "cores": os.cpu_count(), "isa": isa, "arch": platform.machine(),

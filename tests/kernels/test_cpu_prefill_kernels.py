@@ -1,4 +1,5 @@
-"""The AVX512-BF16 causal prefill kernel (kernels/cpu/prefill_bf16.cpp) against float64 attention."""
+"""The causal prefill kernels against float64 attention: AVX512-BF16 (kernels/cpu/prefill_bf16.cpp) and
+AMX (kernels/cpu/amx_prefill.cpp), each where this CPU runs it, the same tests for both."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ from hypothesis import strategies as st
 from kernels.cpu import load
 
 
-@pytest.fixture(scope="module")
-def ext():
+class Kernel:
+    """One prefill kernel under its own name (`prefill_bf16` or `amx_prefill`), called as the module's."""
+
+    def __init__(self, mod, name: str):
+        self.mod, self.name = mod, name
+        self.prefill = getattr(mod, name)
+        self.supported = getattr(mod, name + "_supported")
+
+
+@pytest.fixture(scope="module", params=["prefill_bf16", "amx_prefill"])
+def ext(request):
     mod = load()
     if mod is None:
         pytest.fail("the CPU kernels did not compile (a C++ compiler and ninja are part of `make install`)")
-    if not mod.prefill_bf16_supported(64):
-        pytest.skip("this CPU has no AVX512-BF16")
-    return mod
+    if not getattr(mod, request.param + "_supported")(64):
+        pytest.skip(f"{request.param}: this CPU (or PAGEDSERVE_CPU_AMX) offers no "
+                    f"{'AMX tiles' if request.param.startswith('amx') else 'AVX512-BF16'}")
+    return Kernel(mod, request.param)
 
 
 def _causal_float64(q, k, v, scale):
@@ -39,7 +50,7 @@ def _check(ext, n, heads, kv_heads, dim, seed, strided=False):
     else:
         q, k, v = (torch.randn(n, h, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
     scale = dim ** -0.5
-    out = ext.prefill_bf16(q, k, v, scale)
+    out = ext.prefill(q, k, v, scale)
     want = _causal_float64(q, k, v, scale)
     # bfloat16 probabilities in the second product (as flash attention rounds them) and a bfloat16 output.
     err = (out.double() - want).abs().max().item()
@@ -47,7 +58,7 @@ def _check(ext, n, heads, kv_heads, dim, seed, strided=False):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 100, 513])
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 17, 31, 32, 33, 100, 513])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_matches_float64_causal_attention(ext, n, heads, kv_heads, dim):
@@ -59,9 +70,10 @@ def test_views_of_a_fused_qkv_row(ext):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 200), kv_heads=st.integers(1, 3), group=st.integers(1, 4), seed=st.integers(0, 2**16))
-def test_any_length_and_grouping(ext, n, kv_heads, group, seed):
-    _check(ext, n, kv_heads * group, kv_heads, 64, seed)
+@given(n=st.integers(1, 200), kv_heads=st.integers(1, 3), group=st.integers(1, 4), dim=st.sampled_from([64, 128]),
+       seed=st.integers(0, 2**16))
+def test_any_length_and_grouping(ext, n, kv_heads, group, dim, seed):
+    _check(ext, n, kv_heads * group, kv_heads, dim, seed)
 
 
 @pytest.mark.parametrize("offset,n", [(1, 1), (15, 1), (100, 16), (384, 64), (7, 33), (500, 17)])
@@ -74,20 +86,20 @@ def test_a_chunk_after_its_context(ext, offset, n, heads, kv_heads, dim):
     q = torch.randn(total, heads, dim, generator=g).bfloat16()
     k, v = (torch.randn(total, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
     scale = dim ** -0.5
-    out = ext.prefill_bf16(q[offset:], k, v, scale, offset)
+    out = ext.prefill(q[offset:], k, v, scale, offset)
     want = _causal_float64(q, k, v, scale)[offset:]
     assert (out.double() - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item())
     with pytest.raises(RuntimeError, match="disagree"):
-        ext.prefill_bf16(q[offset:], k, v, scale, offset + 1)
+        ext.prefill(q[offset:], k, v, scale, offset + 1)
 
 
 def test_refuses_what_it_cannot_compute(ext):
     x = torch.randn(4, 2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ext.prefill_bf16(x.float(), x.float(), x.float(), 0.125)
+        ext.prefill(x.float(), x.float(), x.float(), 0.125)
     with pytest.raises(RuntimeError, match="head_dim"):
         y = torch.randn(4, 2, 80).bfloat16()
-        ext.prefill_bf16(y, y, y, 0.125)
+        ext.prefill(y, y, y, 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
-        ext.prefill_bf16(torch.randn(4, 3, 64).bfloat16(), x, x, 0.125)
-    assert not ext.prefill_bf16_supported(80)
+        ext.prefill(torch.randn(4, 3, 64).bfloat16(), x, x, 0.125)
+    assert not ext.supported(80)
