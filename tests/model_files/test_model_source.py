@@ -36,28 +36,25 @@ def test_a_written_directory_is_readable_by_every_user(tmp_path):
 
 
 def test_the_conversion_cache_is_keyed_by_the_file_not_its_path(tmp_path, monkeypatch):
-    """Two checkouts (two virtualenvs, two paths to the same bundled file) share one conversion; a file
-    with other contents, or replaced at the same path, gets its own."""
+    """Two checkouts (two virtualenvs, two paths to the same bundled file, written at different times) share
+    one conversion; a file whose contents differ at its end or in a sampled piece gets its own."""
     import os
-    import shutil
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    data = os.urandom(3 << 20)
-    first = tmp_path / "venv-a" / "m.Q4_1.gguf"
-    second = tmp_path / "venv-b" / "m.Q4_1.gguf"
-    for path in (first, second):
+    data = os.urandom(5 << 20)
+
+    def write(name: str, content: bytes, mtime: int):
+        path = tmp_path / name / "m.Q4_1.gguf"
         path.parent.mkdir()
-        path.write_bytes(data)
-    shutil.copystat(first, second)  # pip gives every install of a wheel the same mtimes
-    assert ms._converted_dir_for(first) == ms._converted_dir_for(second)
-    assert ms._converted_dir_for(first).parent == tmp_path / "cache" / "models"
+        path.write_bytes(content)
+        os.utime(path, (mtime, mtime))
+        return ms._converted_dir_for(path)
 
-    tail_changed = tmp_path / "venv-c" / "m.Q4_1.gguf"
-    tail_changed.parent.mkdir()
-    tail_changed.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    shutil.copystat(first, tail_changed)
-    assert ms._converted_dir_for(tail_changed) != ms._converted_dir_for(first)
-
-    stat = first.stat()
-    os.utime(second, (stat.st_atime, stat.st_mtime + 5))  # replaced in place: a new mtime
-    assert ms._converted_dir_for(second) != ms._converted_dir_for(first)
+    first = write("venv-a", data, 1_700_000_000)
+    assert write("venv-b", data, 1_700_003_000) == first  # pip writes a wheel's files at install time
+    assert first.parent == tmp_path / "cache" / "models"
+    tail = data[:-1] + bytes([data[-1] ^ 1])
+    assert write("venv-c", tail, 1_700_000_000) != first
+    middle = len(data) * 31 // 63 + 10  # inside one of the sampled pieces
+    inside = data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]
+    assert write("venv-d", inside, 1_700_000_000) != first
